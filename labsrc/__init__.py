@@ -1,0 +1,1 @@
+"""Shared code for the distributed-training course: rank context, launching, data, models, training, records."""

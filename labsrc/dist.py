@@ -1,0 +1,147 @@
+"""One rank's context (rank, local_rank, world_size, device, backend): choosing it, setting it up, tearing it down."""
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+BACKEND_ENV = "LABSRC_BACKEND"
+
+
+class RequestError(ValueError):
+    """A launch request this machine cannot meet; the message says what to do instead."""
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """Everything a lab needs to know about its own rank. Passed in, never global."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+
+def gpu_count() -> int:
+    """CUDA devices visible to this process (0 when CUDA is absent)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def max_cpu_ranks(cpu_count: int | None = None) -> int:
+    """The most CPU ranks worth running here: beyond two per core every rank just waits for a core."""
+    return max(4, 2 * (cpu_count or os.cpu_count() or 1))
+
+
+def choose_backend(local_world_size: int, gpus: int, requested: str | None = None) -> tuple[str, str]:
+    """(backend, device kind) for ranks on one machine: NCCL when every rank gets its own GPU, else gloo."""
+    requested = (requested or "").strip().lower() or None
+    if requested not in (None, "nccl", "gloo"):
+        raise RequestError(f"backend {requested!r} is unknown: use 'nccl', 'gloo' or leave it unset.")
+    if requested == "nccl":
+        if gpus == 0:
+            raise RequestError("NCCL needs CUDA GPUs and this machine has none: use backend='gloo'.")
+        if local_world_size > gpus:
+            raise RequestError(
+                f"NCCL needs one GPU per rank: {local_world_size} ranks asked, {gpus} GPU(s) here. "
+                f"Use nproc<={gpus}, or backend='gloo' to share GPUs between ranks."
+            )
+        return "nccl", "cuda"
+    if requested == "gloo":
+        return "gloo", "cuda" if gpus > 0 else "cpu"
+    if gpus > 0 and local_world_size <= gpus:
+        return "nccl", "cuda"
+    return "gloo", "cuda" if gpus > 0 else "cpu"
+
+
+def validate_request(nproc: int, backend: str | None = None, gpus: int | None = None,
+                     cpu_count: int | None = None) -> tuple[str, str]:
+    """Check a launch before anything starts; return (backend, device kind) or raise RequestError."""
+    if not isinstance(nproc, int) or nproc < 1:
+        raise RequestError(f"nproc must be a whole number of ranks, 1 or more (got {nproc!r}).")
+    gpus = gpu_count() if gpus is None else gpus
+    chosen, device_kind = choose_backend(nproc, gpus, backend)
+    limit = max_cpu_ranks(cpu_count)
+    if device_kind == "cpu" and nproc > limit:
+        raise RequestError(
+            f"{nproc} CPU ranks on {cpu_count or os.cpu_count()} core(s) would only queue for cores "
+            f"(at most {limit} here). Use nproc<={limit}, or run on a machine with more cores."
+        )
+    return chosen, device_kind
+
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to kill this rank if its launcher dies, so no rank outlives its run."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def setup(backend: str | None = None, timeout_s: float = 120.0, seed: int | None = None) -> RankContext:
+    """Join the process group torchrun described in the environment, or run alone as rank 0 of 1.
+
+    The same script runs with and without torchrun: without RANK/WORLD_SIZE it is a world of one and
+    no process group is created.
+    """
+    rank = _env_int("RANK", 0)
+    local_rank = _env_int("LOCAL_RANK", 0)
+    world_size = _env_int("WORLD_SIZE", 1)
+    local_world_size = _env_int("LOCAL_WORLD_SIZE", world_size)
+    gpus = gpu_count()
+    chosen, device_kind = choose_backend(local_world_size, gpus, backend or os.environ.get(BACKEND_ENV))
+    device = torch.device("cuda", local_rank % gpus) if device_kind == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
+        _die_with_parent()
+    if seed is not None:
+        torch.manual_seed(seed)
+    if world_size > 1 or "MASTER_ADDR" in os.environ:
+        kwargs = {"backend": chosen, "timeout": datetime.timedelta(seconds=timeout_s)}
+        if chosen == "nccl":
+            kwargs["device_id"] = device
+        dist.init_process_group(**kwargs)
+    return RankContext(rank, local_rank, world_size, device, chosen)
+
+
+def teardown(ctx: RankContext | None = None) -> None:
+    """Leave the process group cleanly (no-op for a world of one)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+@contextmanager
+def rank_context(backend: str | None = None, timeout_s: float = 120.0, seed: int | None = None):
+    """`with rank_context() as ctx:` sets up, yields the context and always tears down."""
+    ctx = setup(backend=backend, timeout_s=timeout_s, seed=seed)
+    try:
+        yield ctx
+    finally:
+        teardown(ctx)
+
+
+def describe(ctx: RankContext) -> str:
+    return f"rank {ctx.rank}/{ctx.world_size} (local {ctx.local_rank}) on {ctx.device} with {ctx.backend}"

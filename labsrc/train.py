@@ -1,0 +1,113 @@
+"""The one training loop the labs share: optional AMP, per-step records, no host sync between log points."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+PRECISIONS = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class TrainConfig:
+    """How one training run goes."""
+
+    steps: int
+    """Optimizer steps."""
+    lr: float = 0.05
+    """SGD learning rate."""
+    momentum: float = 0.9
+    """SGD momentum."""
+    weight_decay: float = 0.0
+    """L2 penalty folded into SGD."""
+    precision: str = "fp32"
+    """fp32, tf32 (matmuls on tensor cores), bf16 or fp16 autocast (fp16 adds a GradScaler)."""
+    log_every: int = 1
+    """Losses are fetched to the host every this many steps (each fetch is one device sync)."""
+    warmup_steps: int = 0
+    """Linear learning-rate warm-up from lr/warmup_steps to lr."""
+
+
+def autocast(device: torch.device, precision: str):
+    """torch.amp autocast for the precision (a disabled context for fp32 and tf32)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r} is unknown: use one of {sorted(PRECISIONS)}")
+    dtype = PRECISIONS[precision]
+    return torch.amp.autocast(device_type=device.type, dtype=dtype, enabled=dtype is not None)
+
+
+def set_tf32(enabled: bool) -> None:
+    """TF32 for float32 matmuls and convolutions (only matters on Ampere and newer GPUs)."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                           weight_decay=cfg.weight_decay)
+
+
+def train(model: nn.Module, batches: Iterator, ctx, cfg: TrainConfig, records=None,
+          optimizer: torch.optim.Optimizer | None = None,
+          loss_fn: Callable = nn.functional.cross_entropy) -> dict:
+    """Train for cfg.steps on (images, labels) batches; returns a summary with per-step losses.
+
+    records gets one "step" record per step (this rank's loss on its own batch) and progress records.
+    Losses stay on the device and are fetched every cfg.log_every steps, so logging adds one sync per
+    log point and none in between.
+    """
+    set_tf32(cfg.precision == "tf32")
+    optimizer = optimizer or make_optimizer(model, cfg)
+    scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
+    scheduler = None
+    if cfg.warmup_steps > 0:
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / cfg.warmup_steps))
+    model.train()
+    pending: list[torch.Tensor] = []
+    losses: list[float] = []
+    samples = 0
+    start = time.perf_counter()
+    for step in range(cfg.steps):
+        images, labels = next(batches)
+        images = images.to(ctx.device, non_blocking=True)
+        labels = labels.to(ctx.device, non_blocking=True)
+        with autocast(ctx.device, cfg.precision):
+            loss = loss_fn(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        if scheduler is not None:
+            scheduler.step()
+        samples += labels.shape[0]
+        pending.append(loss.detach())
+        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+            fetched = torch.stack(pending).float().tolist()
+            first = step + 1 - len(fetched)
+            if records is not None:
+                for offset, value in enumerate(fetched):
+                    records.write("step", step=first + offset, loss=value)
+                records.progress(step + 1, cfg.steps)
+            losses += fetched
+            pending.clear()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    seconds = time.perf_counter() - start
+    return {"steps": cfg.steps, "losses": losses, "final_loss": losses[-1] if losses else None,
+            "seconds": seconds, "samples_per_s_per_rank": samples / seconds if seconds > 0 else None}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 512) -> float:
+    """Accuracy of model on (images, labels), in [0, 1]."""
+    model.eval()
+    correct = 0
+    for start in range(0, len(labels), batch_size):
+        logits = model(images[start:start + batch_size])
+        correct += (logits.argmax(dim=1) == labels[start:start + batch_size]).sum().item()
+    model.train()
+    return correct / max(1, len(labels))
