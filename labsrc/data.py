@@ -14,15 +14,16 @@ CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
 def synthetic_images(num_samples: int, image_size: int = 32, num_classes: int = 10, seed: int = 0,
                      noise: float = 1.0) -> TensorDataset:
-    """A learnable image-classification set made offline: each class a smooth pattern, plus noise.
+    """A learnable image-classification set made offline: each class a tint and a smooth pattern, plus noise.
 
     images: (num_samples, 3, image_size, image_size) float32; labels: (num_samples,) int64.
     The same seed gives the same set in every process.
     """
     generator = torch.Generator().manual_seed(seed)
     coarse = torch.randn(num_classes, 3, 4, 4, generator=generator)
-    prototypes = torch.nn.functional.interpolate(coarse, size=image_size, mode="bilinear",
-                                                 align_corners=False)
+    tint = torch.randn(num_classes, 3, 1, 1, generator=generator)  # a colour per class: easy to start on
+    prototypes = tint + torch.nn.functional.interpolate(coarse, size=image_size, mode="bilinear",
+                                                        align_corners=False)
     labels = torch.randint(num_classes, (num_samples,), generator=generator)
     images = prototypes[labels] + noise * torch.randn(num_samples, 3, image_size, image_size,
                                                       generator=generator)

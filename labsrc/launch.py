@@ -118,7 +118,7 @@ def child_environment(nproc: int, run_dir: Path, run_id: str, backend: str | Non
     return env
 
 
-def _processes_of_run(run_id: str, root_pid: int | None):
+def processes_of_run(run_id: str, root_pid: int | None):
     """Every live process of a run: the launcher's descendants and anything carrying the run's tag."""
     import psutil
     found = {}
@@ -143,14 +143,14 @@ def _processes_of_run(run_id: str, root_pid: int | None):
 def end_run(run_id: str, root_pid: int | None, grace_s: float = GRACE_S) -> int:
     """Terminate every process of a run, kill what is left after the grace period; return how many."""
     import psutil
-    procs = _processes_of_run(run_id, root_pid)
+    procs = processes_of_run(run_id, root_pid)
     for proc in procs:
         try:
             proc.send_signal(signal.SIGTERM)
         except psutil.Error:
             pass
     _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    alive += [p for p in _processes_of_run(run_id, None) if p not in alive]
+    alive += [p for p in processes_of_run(run_id, None) if p not in alive]
     for proc in alive:
         try:
             proc.kill()

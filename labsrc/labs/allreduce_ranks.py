@@ -36,6 +36,15 @@ def allreduce_rank_ids(ctx, records, args) -> dict:
     return {"sum": total, "expected": ctx.world_size * (ctx.world_size - 1) // 2}
 
 
+def launch_rank_sum(nproc: int = 2, timeout: float = 120.0, profile: str | None = None, **lab_options):
+    """Launch this lab on nproc ranks from a notebook; lab_options become flags (hold_s=3 -> --hold-s 3)."""
+    from labsrc import launch
+    args = []
+    for key, value in lab_options.items():
+        args += [f"--{key.replace('_', '-')}", str(value)]
+    return launch.run("allreduce_ranks", nproc=nproc, args=args, timeout=timeout, profile=profile)
+
+
 def main(argv=None):
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--hold-s", type=float, default=0, help="seconds to keep running afterwards")

@@ -22,7 +22,7 @@ class _RankPrefixed:
     def write(self, text: str) -> int:
         out = []
         for piece in text.splitlines(keepends=True):
-            if self._at_line_start:
+            if self._at_line_start and not piece.startswith(self._prefix.rstrip()):
                 out.append(self._prefix)
             out.append(piece)
             self._at_line_start = piece.endswith("\n")

@@ -1,0 +1,102 @@
+"""Profiles, backend choice, data, models and the shared training loop."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from labsrc import config, data, dist as labdist, models, train
+from labsrc.testing import run_ranks
+
+
+def test_profile_from_environment_wins_and_unknown_is_a_clear_error():
+    profile, reason = config.pick_profile({"LABSRC_PROFILE": "gpu"}, gpu_count=0, cpu_count=2)
+    assert profile.name == "gpu" and "LABSRC_PROFILE" in reason
+    with pytest.raises(config.ProfileError, match="not a profile.*ci"):
+        config.pick_profile({"LABSRC_PROFILE": "huge"}, gpu_count=0, cpu_count=2)
+
+
+@pytest.mark.parametrize("gpus, cores, expected", [(0, 2, "ci"), (0, 8, "cpu"), (4, 8, "gpu")])
+def test_profile_from_hardware(gpus, cores, expected):
+    assert config.pick_profile({}, gpu_count=gpus, cpu_count=cores)[0].name == expected
+
+
+def test_gpu_profile_uses_every_gpu():
+    assert config.PROFILES["gpu"].resolved_world_size(8) == 8
+    assert config.PROFILES["ci"].resolved_world_size(8) == 2
+
+
+@pytest.mark.parametrize("ranks, gpus, requested, expected", [
+    (2, 0, None, ("gloo", "cpu")), (2, 2, None, ("nccl", "cuda")), (4, 1, None, ("gloo", "cuda")),
+    (1, 1, "gloo", ("gloo", "cuda")),
+])
+def test_backend_choice(ranks, gpus, requested, expected):
+    assert labdist.choose_backend(ranks, gpus, requested) == expected
+
+
+def test_nccl_with_more_ranks_than_gpus_says_what_to_do():
+    with pytest.raises(labdist.RequestError, match="one GPU per rank.*backend='gloo'"):
+        labdist.validate_request(4, "nccl", gpus=2, cpu_count=16)
+
+
+def test_too_many_cpu_ranks_refused():
+    with pytest.raises(labdist.RequestError, match="at most 4"):
+        labdist.validate_request(5, None, gpus=0, cpu_count=2)
+    assert labdist.validate_request(4, None, gpus=0, cpu_count=2) == ("gloo", "cpu")
+
+
+def test_doctor_json_names_profile_and_backends():
+    out = subprocess.run([sys.executable, "-m", "labsrc.doctor", "--json"], capture_output=True,
+                         text=True, check=True).stdout
+    report = json.loads(out)
+    assert report["profile"] in config.PROFILES
+    assert report["backends"]["gloo"] is True
+    assert set(report["labs"]) >= {"00_setup", "01_dp_vs_ddp"}
+
+
+def test_synthetic_images_are_deterministic_and_learnable():
+    first, second = data.synthetic_images(256, 16, seed=3), data.synthetic_images(256, 16, seed=3)
+    assert torch.equal(first.tensors[0], second.tensors[0])
+    assert first.tensors[0].shape == (256, 3, 16, 16)
+    torch.manual_seed(0)
+    model = models.TinyCNN()
+    ctx = labdist.RankContext(0, 0, 1, torch.device("cpu"), "gloo")
+    batches = iter(data.DeviceBatches(first, 64, ctx, seed=0))
+    summary = train.train(model, batches, ctx, train.TrainConfig(steps=30, lr=0.05, log_every=10))
+    assert summary["losses"][-1] < 0.5 * summary["losses"][0], summary["losses"]
+
+
+def test_device_batches_partition_matches_distributed_sampler():
+    dataset = data.synthetic_images(64, 8)
+    ranks = [labdist.RankContext(r, r, 2, torch.device("cpu"), "gloo") for r in range(2)]
+    mine = [data.DeviceBatches(dataset, 4, ctx, seed=1).epoch_indices(0) for ctx in ranks]
+    assert set(mine[0].tolist()).isdisjoint(mine[1].tolist())
+    assert sorted(mine[0].tolist() + mine[1].tolist()) == list(range(64))
+    whole = data.DeviceBatches(dataset, 8, ranks[0].__class__(0, 0, 1, torch.device("cpu"), "gloo"), seed=1)
+    first_global = next(iter(whole))[1]
+    per_rank = [next(iter(data.DeviceBatches(dataset, 4, ctx, seed=1)))[1] for ctx in ranks]
+    assert sorted(first_global.tolist()) == sorted(torch.cat(per_rank).tolist())
+
+
+def test_resnet18_cifar_shapes():
+    model = models.build_model("resnet18")
+    assert model(torch.zeros(2, 3, 32, 32)).shape == (2, 10)
+    with pytest.raises(ValueError, match="unknown model"):
+        models.build_model("nope")
+
+
+def _loss_after_ddp_steps(ctx):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    torch.manual_seed(0)
+    model = DDP(models.TinyCNN())
+    batches = iter(data.DeviceBatches(data.synthetic_images(128, 8), 16, ctx))
+    summary = train.train(model, batches, ctx, train.TrainConfig(steps=3, log_every=2))
+    return [p.detach().clone() for p in model.parameters()], len(summary["losses"])
+
+
+def test_training_loop_under_ddp_keeps_ranks_identical():
+    (params0, count0), (params1, count1) = run_ranks(_loss_after_ddp_steps, 2)
+    assert count0 == count1 == 3
+    for left, right in zip(params0, params1):
+        torch.testing.assert_close(left, right)
