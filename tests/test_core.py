@@ -100,3 +100,12 @@ def test_training_loop_under_ddp_keeps_ranks_identical():
     assert count0 == count1 == 3
     for left, right in zip(params0, params1):
         torch.testing.assert_close(left, right)
+
+
+def test_rerun_controls_call_the_same_function_with_the_chosen_values():
+    from labsrc.widgets import rerun_controls
+    calls = []
+    panel = rerun_controls(lambda nproc, profile: calls.append((nproc, profile)) or nproc * 10,
+                           nproc=([1, 2, 4], 2), profile=(["ci", "cpu"], "ci"))
+    panel.controls["nproc"].value = 4
+    assert panel.run() == 40 and calls == [(4, "ci")]
