@@ -82,6 +82,9 @@ def run_lab(name: str, body: LabBody, args: argparse.Namespace) -> dict | None:
         return summary
     except BaseException as exc:
         metrics.write_error(run_dir, rank, exc, traceback.format_exc())
+        if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun's own report then shows the root cause
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+            ErrorHandler().record_exception(exc)
         raise
     finally:
         records.close()
