@@ -6,13 +6,21 @@ from torch import nn
 
 
 class TinyCNN(nn.Module):
-    """Two conv blocks with BatchNorm, global pooling, a linear head. (N, 3, H, W) -> (N, classes)."""
+    """Two conv blocks (BatchNorm optional), global pooling, a linear head. (N, 3, H, W) -> (N, classes).
 
-    def __init__(self, num_classes: int = 10, width: int = 16):
+    batch_norm=False makes every sample's output independent of the rest of its batch, which is what
+    makes a sharded batch's averaged gradient equal to the whole batch's gradient exactly.
+    """
+
+    def __init__(self, num_classes: int = 10, width: int = 16, batch_norm: bool = True):
         super().__init__()
+
+        def norm(channels: int) -> nn.Module:
+            return nn.BatchNorm2d(channels) if batch_norm else nn.Identity()
+
         self.features = nn.Sequential(
-            nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU(),
-            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(2 * width),
+            nn.Conv2d(3, width, 3, padding=1, bias=not batch_norm), norm(width), nn.ReLU(),
+            nn.Conv2d(width, 2 * width, 3, stride=2, padding=1, bias=not batch_norm), norm(2 * width),
             nn.ReLU(),
             nn.AdaptiveAvgPool2d(1), nn.Flatten(),
         )

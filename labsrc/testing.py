@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import tempfile
 import traceback
 from typing import Any, Callable
@@ -27,7 +28,9 @@ def _child(fn, rank, world_size, init_file, args, kwargs, results) -> None:
                                 world_size=world_size)
         ctx = RankContext(rank, rank, world_size, torch.device("cpu"), "gloo")
         value = fn(ctx, *args, **kwargs)
-        results.put((rank, True, value))
+        # Plain pickle copies tensor data into the bytes; a Queue would share it through memory that
+        # vanishes when this process exits.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
     finally:
@@ -59,7 +62,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs:
                 if not ok:
                     failure = f"rank {rank} raised:\n{value}"
                     break
-                collected[rank] = value
+                collected[rank] = pickle.loads(value)
         except Exception:
             failure = f"ranks {sorted(set(range(world_size)) - set(collected))} gave no result in {timeout_s} s"
         finally:
