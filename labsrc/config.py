@@ -49,7 +49,7 @@ PROFILES: dict[str, Profile] = {
     "ci": Profile(
         name="ci", world_size=2, model="tiny_cnn", image_size=16, num_samples=512,
         global_batch=64, steps=12, lr=0.05,
-        sweep_sizes=(256, 4096, 65536, 262144), repeats=3, num_workers=0,
+        sweep_sizes=(256, 4096, 65536, 524288, 4194304), repeats=7, num_workers=0,
         notebook_budget_s=90,
     ),
     "cpu": Profile(

@@ -46,6 +46,8 @@ def base_parser(description: str) -> argparse.ArgumentParser:
                         help="process-group backend (default: NCCL when each rank has a GPU, else gloo)")
     parser.add_argument("--seed", type=int, default=0, help="base random seed")
     parser.add_argument("--run-dir", default=None, help="where records go (default: set by the launcher)")
+    parser.add_argument("--pg-timeout-s", type=float, default=120.0,
+                        help="seconds a collective may wait for the other ranks before it fails")
     return parser
 
 
@@ -71,7 +73,7 @@ def run_lab(name: str, body: LabBody, args: argparse.Namespace) -> dict | None:
     records = metrics.RecordWriter(run_dir, rank)
     ctx = None
     try:
-        ctx = labdist.setup(backend=args.backend, seed=args.seed)
+        ctx = labdist.setup(backend=args.backend, timeout_s=args.pg_timeout_s, seed=args.seed)
         records.write("context", lab=name, world_size=ctx.world_size, local_rank=ctx.local_rank,
                       device=str(ctx.device), backend=ctx.backend)
         summary = body(ctx, records, args)
