@@ -1,0 +1,44 @@
+"""Figures of notebook 03 (data loading), drawn from the data_loading lab's records."""
+from __future__ import annotations
+
+from labsrc.plots import new_axes
+
+
+def partitions(result, ax=None):
+    """Which sample each rank reads at each position, one row per (epoch, rank)."""
+    import numpy as np
+    rows, labels = [], []
+    for record in sorted(result.of_kind("partition"), key=lambda r: r["rank"]):
+        for epoch, order in enumerate(record["epochs"]):
+            rows.append((epoch, record["rank"], order))
+    rows.sort()
+    width = max(len(order) for _, _, order in rows)
+    grid = np.full((len(rows), width), -1)
+    for row, (epoch, rank, order) in enumerate(rows):
+        grid[row, :len(order)] = order
+        labels.append(f"epoch {epoch}, rank {rank}")
+    ax = new_axes("DistributedSampler: sample index read at each position", "position in the rank's epoch", "", ax,
+                  figsize=(6.4, 0.4 * len(rows) + 1))
+    ax.imshow(grid, cmap="tab20", aspect="auto")
+    for (row, column), value in np.ndenumerate(grid):
+        ax.text(column, row, str(value), ha="center", va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), labels)
+    ax.grid(False)
+    return ax
+
+
+def step_split(result, rank: int = 0, ax=None):
+    """Per arm: milliseconds waiting for data and computing, stacked; the longer part bounds the step."""
+    rows = result.of_kind("throughput", rank=rank)
+    ax = new_axes(f"Where a step's time goes (rank {rank})", "ms per step", "", ax, figsize=(7, 0.6 * len(rows) + 1))
+    names = [r["arm"] for r in rows]
+    data_ms = [1000 * r["data_s"] for r in rows]
+    compute_ms = [1000 * r["compute_s"] for r in rows]
+    ax.barh(names, data_ms, color="#c2410c", label="waiting for data")
+    ax.barh(names, compute_ms, left=data_ms, color="#2563eb", label="forward + backward + step")
+    for index, row in enumerate(rows):
+        bound = "data-bound" if row["data_s"] > row["compute_s"] else "compute-bound"
+        ax.text(data_ms[index] + compute_ms[index], index, f" {bound}", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.legend(loc="lower right")
+    return ax
