@@ -1,0 +1,111 @@
+"""DDP written by hand: (a) all-reduce every gradient after backward; (b) buckets all-reduced from gradient hooks during backward."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def broadcast_parameters(module: nn.Module) -> None:
+    """Make every rank start from rank 0's parameters and buffers, as DDP's constructor does."""
+    for tensor in [*module.parameters(), *module.buffers()]:
+        dist.broadcast(tensor.data, src=0)
+
+
+class AllReduceAfterBackward(nn.Module):
+    """Version (a): after loss.backward(), call sync_gradients(): one all-reduce per parameter, no overlap."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.world_size = dist.get_world_size()
+        self.allreduce_calls = 0
+        broadcast_parameters(module)
+
+    def forward(self, *inputs):
+        return self.module(*inputs)
+
+    def sync_gradients(self) -> None:
+        for parameter in self.module.parameters():
+            if parameter.grad is not None:
+                dist.all_reduce(parameter.grad)
+                parameter.grad.div_(self.world_size)
+                self.allreduce_calls += 1
+
+
+def assign_buckets(parameters: list[nn.Parameter], cap_bytes: int) -> list[list[int]]:
+    """Parameter indices grouped into buckets that close as soon as they reach cap_bytes.
+
+    Reverse order, as DDP does: backward produces the last layer's gradients first, so the first bucket
+    fills first and its all-reduce can start while backward is still running.
+    """
+    buckets, current, size = [], [], 0
+    for index in reversed(range(len(parameters))):
+        current.append(index)
+        size += parameters[index].numel() * parameters[index].element_size()
+        if size >= cap_bytes:  # DDP's rule: a bucket closes once it reaches the cap
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class BucketedDDP(nn.Module):
+    """Version (b): gradients copied into flat buckets and all-reduced asynchronously as each bucket fills.
+
+    A post-accumulate-grad hook on every parameter counts the bucket's ready gradients; the last one to
+    arrive flattens the bucket and starts `all_reduce(async_op=True)`, while backward goes on computing the
+    earlier layers. finish_gradient_sync() (call it before optimizer.step()) waits for every bucket, divides
+    by the world size and copies the averages back into .grad. Every parameter must get a gradient.
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0):
+        super().__init__()
+        self.module = module
+        self.world_size = dist.get_world_size()
+        self.parameters_in_order = [p for p in module.parameters() if p.requires_grad]
+        self.buckets = assign_buckets(self.parameters_in_order, int(bucket_cap_mb * 2**20))
+        self.bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
+        self.allreduce_calls = 0
+        self.events: list[tuple[str, float]] = []  # ("hook p", t) and ("all_reduce b", t): the schedule
+        self._reset()
+        broadcast_parameters(module)
+        for index, parameter in enumerate(self.parameters_in_order):
+            parameter.register_post_accumulate_grad_hook(self._make_hook(index))
+
+    def _reset(self) -> None:
+        self.ready = [0] * len(self.buckets)
+        self.pending: list[tuple[int, torch.Tensor, dist.Work]] = []
+
+    def forward(self, *inputs):
+        return self.module(*inputs)
+
+    def _make_hook(self, index: int):
+        def hook(parameter: torch.Tensor) -> None:
+            self.events.append((f"hook {index}", time.perf_counter()))
+            bucket = self.bucket_of[index]
+            self.ready[bucket] += 1
+            if self.ready[bucket] == len(self.buckets[bucket]):
+                self._launch(bucket)
+        return hook
+
+    def _launch(self, bucket: int) -> None:
+        grads = [self.parameters_in_order[i].grad for i in self.buckets[bucket]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.events.append((f"all_reduce {bucket}", time.perf_counter()))
+        self.pending.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
+        self.allreduce_calls += 1
+
+    def finish_gradient_sync(self) -> None:
+        for bucket, flat, work in self.pending:
+            work.wait()
+            flat.div_(self.world_size)
+            offset = 0
+            for index in self.buckets[bucket]:
+                grad = self.parameters_in_order[index].grad
+                grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+                offset += grad.numel()
+        self._reset()

@@ -1,0 +1,49 @@
+"""Figures of notebook 04 (DDP internals), drawn from the ddp_internals lab's records."""
+from __future__ import annotations
+
+from labsrc.plots import gantt, new_axes
+
+
+def bucket_sweep(result, ax=None):
+    """All-reduce calls per step (bars) and step time (line) against bucket_cap_mb."""
+    rows = sorted(result.of_kind("buckets", rank=0), key=lambda r: r["cap_mb"])
+    ax = new_axes("torch DDP: bucket_cap_mb swept", "bucket_cap_mb", "all-reduce calls per step", ax)
+    labels = [f"{r['cap_mb']:g}" for r in rows]
+    ax.bar(labels, [r["allreduce_calls"] for r in rows], color="#c2410c", label="all-reduce calls (comm hook count)")
+    ax.plot(labels, [r["handmade_buckets"] for r in rows], "k^", label="buckets by the handmade rule")
+    twin = ax.twinx()
+    twin.plot(labels, [1000 * r["step_s"] for r in rows], "o-", color="#2563eb", label="step time")
+    twin.set_ylabel("step time (ms, median)")
+    ax.legend(loc="upper right", fontsize=8)
+    twin.legend(loc="center right", fontsize=8)
+    return ax
+
+
+def profiler_timeline(result, rank: int = 0, ax=None):
+    """The profiled DDP step: backward ops and all-reduces on one timeline (ms from the first span)."""
+    spans = result.of_kind("profile", rank=rank)[0]["spans"]
+    lanes = [{"lane": s["name"], "name": s["name"], "start": s["start"], "end": max(s["end"], s["start"] + 0.02)}
+             for s in spans]
+    return gantt(lanes, f"One DDP step (rank {rank}, profiler): all-reduces start during backward", ax=ax)
+
+
+def overlap_ms(spans: list[dict]) -> tuple[float, float]:
+    """(first all-reduce start, last backward op end) in ms: overlap when the first is smaller."""
+    first_allreduce = min(s["start"] for s in spans if s["name"] == "all_reduce")
+    backward_end = max(s["end"] for s in spans if s["name"] == "backward")
+    return first_allreduce, backward_end
+
+
+def handmade_schedule(result, rank: int = 0, ax=None):
+    """The handmade bucketed DDP's schedule: when each gradient hook fired and each bucket's all-reduce began."""
+    events = result.of_kind("handmade_schedule", rank=rank)[0]["events"]
+    ax = new_axes("Handmade buckets: all-reduces launched while backward runs", "ms from the first gradient", "", ax,
+                  figsize=(8, 2.2))
+    hooks = [t for name, t in events if name.startswith("hook")]
+    launches = [t for name, t in events if name.startswith("all_reduce")]
+    ax.plot(hooks, [1] * len(hooks), "|", markersize=18, color="#2563eb", label="gradient ready (hook)")
+    ax.plot(launches, [0] * len(launches), "v", markersize=10, color="#c2410c", label="bucket all-reduce launched")
+    ax.set_yticks([0, 1], ["all-reduce", "backward"])
+    ax.set_ylim(-0.6, 1.6)
+    ax.legend(fontsize=8, loc="upper left")
+    return ax
