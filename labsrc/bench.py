@@ -1,0 +1,132 @@
+"""`python -m labsrc.bench`: images/s, the step split into phases, peak memory, FLOP/s and MFU, written as JSON.
+
+    python -m labsrc.bench --model resnet18 --batch-size 512 --precision bf16 --compile --data device
+    python -m labsrc.bench --world-size 2 --model tiny_cnn --image-size 16      # through torchrun
+    python -m labsrc.bench --compare-loop                                      # the course loop vs a bare one
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from labsrc import bench_steps, data
+from labsrc.models import build_model
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m labsrc.bench", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="tiny_cnn", choices=["tiny_cnn", "resnet18", "resnet50"],
+                   help="model to train (resnet18: 32x32 CIFAR variant; resnet50: torchvision's, 224x224)")
+    p.add_argument("--batch-size", type=int, default=64, help="images per step on each rank")
+    p.add_argument("--image-size", type=int, default=32, help="side of the square input images")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16", "fp16"],
+                   help="math mode: autocast dtype (fp16 adds a GradScaler); tf32 only matters on NVIDIA GPUs")
+    p.add_argument("--channels-last", action="store_true", help="NHWC memory format for model and inputs")
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (falls back to eager on failure)")
+    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
+    p.add_argument("--data", default="device", choices=["device", "loader"],
+                   help="device: the dataset resident on the device; loader: a DataLoader from host memory")
+    p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (with --data loader)")
+    p.add_argument("--world-size", type=int, default=1, help="ranks; above 1 the bench runs itself under torchrun")
+    p.add_argument("--ddp", action="store_true", help="wrap in DDP even at world size 1")
+    p.add_argument("--steps", type=int, default=10, help="timed steps")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator, caches)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's peak TFLOP/s for MFU (default: looked up for known GPUs; none on CPU)")
+    p.add_argument("--out", type=Path, default=None, help="JSON file to write (default: print only)")
+    p.add_argument("--compare-loop", action="store_true",
+                   help="instead: time the course's training loop against a bare loop, and DDP at world size 1 "
+                        "against no DDP, and print the ratios")
+    return p
+
+
+def build(options, ctx):
+    """(model, compiled, reason, batches, images per step) on ctx.device as the options ask."""
+    num_classes = 1000 if options.model == "resnet50" else 10
+    model = build_model(options.model, num_classes=num_classes).to(ctx.device)
+    memory_format = torch.channels_last if options.channels_last else torch.contiguous_format
+    model = model.to(memory_format=memory_format)
+    samples = max(4 * options.batch_size, 256)
+    dataset = data.random_noise(samples, options.image_size, num_classes, seed=ctx.rank)
+    images = dataset.tensors[0].contiguous(memory_format=memory_format)
+    dataset = torch.utils.data.TensorDataset(images, dataset.tensors[1])
+    if options.data == "device":
+        batches = iter(data.DeviceBatches(dataset, options.batch_size, ctx.__class__(0, 0, 1, ctx.device, ""), seed=0))
+    else:
+        loader, sampler = data.make_loader(dataset, options.batch_size, ctx.__class__(0, 0, 1, ctx.device, ""),
+                                           num_workers=options.num_workers, pin_memory=ctx.device.type == "cuda")
+        batches = data.forever(loader, sampler)
+    example = images[:2].to(ctx.device)
+    model, compiled, reason = bench_steps.compile_or_fallback(model, options.compile, options.compile_backend, example)
+    return model, compiled, reason, batches
+
+
+def run_benchmark(ctx, options) -> dict:
+    """Benchmark one configuration on this rank (DDP when world size > 1 or --ddp); the result as a dict."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    if ctx.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    model, compiled, reason, batches = build(options, ctx)
+    plain = model
+    images, labels = next(batches)
+    flops = bench_steps.count_flops(getattr(plain, "_orig_mod", plain), images.to(ctx.device), labels.to(ctx.device),
+                                    options.precision)
+    ddp = DDP(model) if ctx.distributed and (ctx.world_size > 1 or options.ddp) else None
+    optimizer = torch.optim.SGD((ddp or model).parameters(), lr=0.01, momentum=0.9)
+    rows = bench_steps.timed_steps(ddp or model, batches, optimizer, ctx.device, options.precision,
+                                   options.steps, options.warmup, ddp)
+    split = bench_steps.summarise(rows)
+    peak = bench_steps.peak_tflops(ctx.device, options.precision, options.peak_tflops)
+    achieved = flops / split["step_s"]
+    config = {key: value for key, value in vars(options).items() if key not in ("out", "compare_loop")}
+    config["out"] = str(options.out) if options.out else None
+    return {"config": config, "world_size": ctx.world_size, "compiled": compiled, "compile_reason": reason,
+            "images_per_s": options.batch_size * ctx.world_size / split["step_s"], "split": split, "steps": rows,
+            "flops_per_step_per_rank": flops, "achieved_tflops_per_rank": achieved / 1e12,
+            "peak_tflops": peak, "mfu": achieved / (peak * 1e12) if peak else None,
+            **bench_steps.peak_memory(ctx.device), "provenance": bench_steps.provenance(ctx.device)}
+
+
+def format_result(result: dict) -> str:
+    split = result["split"]
+    parts = ", ".join(f"{k[:-2]} {1000 * v:.2f} ms" for k, v in split.items() if k != "step_s")
+    mfu = "MFU n/a (peak unknown: pass --peak-tflops)" if result["mfu"] is None else f"MFU {100 * result['mfu']:.1f}%"
+    return (f"{result['images_per_s']:.0f} images/s on {result['world_size']} rank(s); step {1000 * split['step_s']:.2f} ms "
+            f"({parts}); {result['achieved_tflops_per_rank'] * 1000:.1f} GFLOP/s per rank, {mfu}; "
+            f"{result['peak_memory_kind']} {result['peak_memory_bytes'] / 2**20:.0f} MiB; compiled: {result['compiled']}"
+            + ("" if result["compiled"] or result["compile_reason"] == "not requested" else f" ({result['compile_reason']})"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    options = parser().parse_args(argv)
+    if options.compare_loop:
+        from labsrc.bench_compare import compare_loops
+        print(json.dumps(compare_loops(options), indent=2))
+        return 0
+    if options.world_size > 1:
+        from labsrc import launch
+        forwarded = [a for a in (sys.argv[1:] if argv is None else argv)]
+        outcome = launch.run("bench", nproc=options.world_size, args=forwarded, timeout=1800)
+        result = outcome.summary["result"]
+    else:
+        from labsrc.dist import setup, teardown
+        ctx = setup()
+        try:
+            result = run_benchmark(ctx, options)
+        finally:
+            teardown(ctx)
+    print(format_result(result))
+    if options.out:
+        options.out.parent.mkdir(parents=True, exist_ok=True)
+        options.out.write_text(json.dumps(result, indent=2))
+        print(f"written to {options.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

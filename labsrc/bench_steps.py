@@ -1,0 +1,145 @@
+"""Timed training steps for the benchmark: the step split into phases, FLOPs, MFU, peak memory, provenance."""
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import resource
+import statistics
+import time
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from labsrc.metrics import synchronize
+from labsrc.train import autocast, set_tf32
+
+# Dense peak FLOP/s (no sparsity) per device and math mode, from NVIDIA's datasheets: H100 SXM5 and
+# H100 PCIe ("NVIDIA H100 Tensor Core GPU" datasheet), A100 SXM4 ("NVIDIA A100 Tensor Core GPU" datasheet).
+PEAK_TFLOPS = {
+    "H100 SXM": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
+    "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0},
+    "H100": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},  # "NVIDIA H100 80GB HBM3" is the SXM part
+    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
+}
+
+
+def peak_tflops(device: torch.device, precision: str, given: float | None = None) -> float | None:
+    """The device's dense peak for this math mode: given, else looked up by GPU name; None when unknown."""
+    if given:
+        return given
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if key.replace(" ", "") in name.replace(" ", "").replace("HBM3", "SXM"):
+            return PEAK_TFLOPS[key][precision]
+    return None
+
+
+def count_flops(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, precision: str) -> int:
+    """FLOPs of one forward + backward, counted by torch.utils.flop_counter (matmuls and convolutions)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    counter = FlopCounterMode(display=False)
+    with counter, autocast(images.device, precision):
+        loss = F.cross_entropy(model(images), labels)
+    with counter:
+        loss.backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+def compile_or_fallback(model: nn.Module, enabled: bool, backend: str = "inductor", example=None):
+    """(model, compiled, reason): torch.compile'd and tried once on `example`, or eager with the reason why."""
+    if not enabled:
+        return model, False, "not requested"
+    try:
+        compiled = torch.compile(model, backend=backend)
+        if example is not None:
+            compiled(example).sum().backward()
+            model.zero_grad(set_to_none=True)
+        return compiled, True, "compiled"
+    except Exception as error:  # any compiler failure must leave a working eager model
+        reason = f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200]}"
+        print(f"torch.compile failed ({reason}); falling back to eager mode")
+        return model, False, reason
+
+
+def timed_steps(model, batches, optimizer, device, precision: str, steps: int, warmup: int, ddp=None) -> list[dict]:
+    """Per step: seconds in data, forward, backward, optimizer; with DDP also backward under no_sync.
+
+    The device is synchronised between phases so each phase's time is its own; communication under DDP is
+    estimated as backward - backward without synchronisation (a separate pass every step).
+    """
+    scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    set_tf32(precision == "tf32")
+    rows = []
+    for step in range(warmup + steps):
+        marks = [time.perf_counter()]
+        images, labels = next(batches)
+        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        for phase in ("forward", "backward", "optimizer"):
+            synchronize(device)
+            marks.append(time.perf_counter())
+            if phase == "forward":
+                with autocast(device, precision):
+                    loss = F.cross_entropy(model(images), labels)
+            elif phase == "backward":
+                optimizer.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()
+            else:
+                scaler.step(optimizer)
+                scaler.update()
+        synchronize(device)
+        marks.append(time.perf_counter())
+        row = dict(zip(("data_s", "forward_s", "backward_s", "optimizer_s"),
+                       [b - a for a, b in zip(marks, marks[1:])]))
+        if ddp is not None:
+            with ddp.no_sync():
+                with autocast(device, precision):
+                    local_loss = F.cross_entropy(model(images), labels)
+                synchronize(device)
+                start = time.perf_counter()
+                scaler.scale(local_loss).backward()
+                synchronize(device)
+                row["local_backward_s"] = time.perf_counter() - start
+            optimizer.zero_grad(set_to_none=True)
+        if step >= warmup:
+            rows.append(row)
+    set_tf32(False)
+    return rows
+
+
+def summarise(rows: list[dict]) -> dict:
+    """Median of each phase; communication = backward - local backward (0 without DDP); the step's total."""
+    median = {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+    communication = max(0.0, median["backward_s"] - median.get("local_backward_s", median["backward_s"]))
+    split = {"data_s": median["data_s"], "forward_s": median["forward_s"],
+             "backward_s": median["backward_s"] - communication, "communication_s": communication,
+             "optimizer_s": median["optimizer_s"]}
+    split["step_s"] = sum(split.values())
+    return split
+
+
+def peak_memory(device: torch.device) -> dict:
+    if device.type == "cuda":
+        return {"peak_memory_bytes": torch.cuda.max_memory_allocated(device), "peak_memory_kind": "CUDA allocated"}
+    return {"peak_memory_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_memory_kind": "process peak RSS (host memory, includes Python and torch)"}
+
+
+def provenance(device: torch.device) -> dict:
+    import torchvision
+    info = {"torch": torch.__version__, "torchvision": torchvision.__version__, "cuda": torch.version.cuda,
+            "python": platform.python_version(), "platform": platform.platform(), "cpu_cores": os.cpu_count(),
+            "device": str(device), "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    if device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(device)
+        with contextlib.suppress(Exception):
+            import subprocess
+            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                            capture_output=True, text=True, timeout=10).stdout.split("\n")[0].strip()
+    else:
+        info["device_name"] = platform.processor() or platform.machine()
+    return info
