@@ -1,9 +1,11 @@
-"""How DistributedSampler shards data (epochs, set_epoch, padding vs drop_last), uneven inputs with Join, loader throughput."""
+"""How DistributedSampler shards data (epochs, set_epoch, padding vs drop_last), uneven inputs with Join, loader timing."""
 from __future__ import annotations
 
+import datetime
 import time
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 
@@ -20,57 +22,104 @@ class IndexDataset(Dataset):
         return index
 
 
+def rank_epoch_orders(dataset_size: int, rank: int, world_size: int, epochs: int, set_epoch: bool = True,
+                      drop_last: bool = False, seed: int = 0, batch_size: int = 2) -> list[list[int]]:
+    """[the indices rank `rank` reads in epoch 0, epoch 1, ...], read through a DataLoader as training does.
+
+    The loop is the one every training script needs: `sampler.set_epoch(epoch)` before each epoch. Without
+    it the shuffle is seeded the same way every epoch, so every epoch repeats the first one's order.
+    """
+    sampler = DistributedSampler(IndexDataset(dataset_size), num_replicas=world_size, rank=rank,
+                                 shuffle=True, seed=seed, drop_last=drop_last)
+    loader = DataLoader(IndexDataset(dataset_size), batch_size=batch_size, sampler=sampler)
+    orders = []
+    for epoch in range(epochs):
+        if set_epoch:
+            sampler.set_epoch(epoch)
+        orders.append([int(index) for batch in loader for index in batch])
+    return orders
+
+
 def epoch_orders(dataset_size: int, world_size: int, epochs: int, set_epoch: bool = True,
                  drop_last: bool = False, seed: int = 0) -> dict[int, list[list[int]]]:
-    """{rank: [the indices the rank reads in epoch 0, epoch 1, ...]} with shuffling on.
-
-    Without sampler.set_epoch(epoch) the shuffle is seeded the same way every epoch: every epoch repeats
-    the first one's order.
-    """
-    orders: dict[int, list[list[int]]] = {}
-    for rank in range(world_size):
-        sampler = DistributedSampler(IndexDataset(dataset_size), num_replicas=world_size, rank=rank,
-                                     shuffle=True, seed=seed, drop_last=drop_last)
-        orders[rank] = []
-        for epoch in range(epochs):
-            if set_epoch:
-                sampler.set_epoch(epoch)
-            orders[rank].append(list(sampler))
-    return orders
+    """{rank: rank_epoch_orders(...)} for every rank, computed in this one process."""
+    return {rank: rank_epoch_orders(dataset_size, rank, world_size, epochs, set_epoch, drop_last, seed)
+            for rank in range(world_size)}
 
 
 def coverage(dataset_size: int, world_size: int, drop_last: bool) -> dict:
     """What one epoch reads over all ranks: samples read, distinct ones, duplicates (padding), dropped."""
-    read = [i for rank_order in epoch_orders(dataset_size, world_size, 1, drop_last=drop_last).values()
-            for i in rank_order[0]]
+    read = [i for orders in epoch_orders(dataset_size, world_size, 1, drop_last=drop_last).values()
+            for i in orders[0]]
     distinct = len(set(read))
     return {"dataset_size": dataset_size, "world_size": world_size, "drop_last": drop_last,
             "per_rank": len(read) // world_size, "read": len(read), "distinct": distinct,
             "duplicates": len(read) - distinct, "dropped": dataset_size - distinct}
 
 
+def expected_coverage(dataset_size: int, world_size: int, drop_last: bool) -> tuple[int, int]:
+    """(duplicates, dropped) by formula: padding repeats ceil(N/n)*n - N samples, drop_last drops N mod n."""
+    if drop_last:
+        return 0, dataset_size % world_size
+    return -(-dataset_size // world_size) * world_size - dataset_size, 0
+
+
+def _uneven_steps(model, optimizer, batches: int, generator: torch.Generator) -> int:
+    """Run `batches` DDP steps on random (8, 4) inputs; returns the steps completed."""
+    steps = 0
+    for _ in range(batches):
+        inputs = torch.randn(8, 4, generator=generator)
+        optimizer.zero_grad()
+        model(inputs).pow(2).mean().backward()  # backward all-reduces the gradients across ranks
+        optimizer.step()
+        steps += 1
+    return steps
+
+
 def train_uneven_with_join(ctx, batches_per_rank: list[int], seed: int = 0) -> dict:
     """DDP where rank r has batches_per_rank[r] batches, wrapped in Join so early finishers shadow the rest.
 
-    Without Join, a rank that runs out of data stops calling all-reduce and every other rank waits for it
-    until the process-group timeout. With Join the finished rank answers the others' all-reduces with zeros
-    (and DDP divides by the ranks that really contributed).
+    With Join a finished rank answers the others' gradient all-reduces with zeros until every rank is done
+    (and DDP divides by the ranks that really contributed), so all ranks finish with the same parameters.
     """
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(seed)
     model = DDP(torch.nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    generator = torch.Generator().manual_seed(seed + ctx.rank)
-    steps = 0
     with Join([model]):
-        for _ in range(batches_per_rank[ctx.rank]):
-            inputs = torch.randn(8, 4, generator=generator)
-            optimizer.zero_grad()
-            model(inputs).pow(2).mean().backward()
-            optimizer.step()
-            steps += 1
+        steps = _uneven_steps(model, optimizer, batches_per_rank[ctx.rank],
+                              torch.Generator().manual_seed(seed + ctx.rank))
     return {"rank": ctx.rank, "steps": steps, "weight": model.module.weight.detach().clone()}
+
+
+def train_uneven_without_join(ctx, batches_per_rank: list[int], timeout_s: float = 1.5, seed: int = 0) -> dict:
+    """The same uneven DDP run without Join, on a process group whose collectives give up after timeout_s.
+
+    The rank that runs out of data stops all-reducing; the others' next backward waits for it forever (a
+    real job hangs until the process-group timeout, 10 to 30 minutes). The short timeout turns that hang
+    into an error here, which is recorded; then every rank meets at a barrier on the default group.
+    """
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    torch.manual_seed(seed)
+    model = DDP(torch.nn.Linear(4, 1), process_group=group)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(seed + ctx.rank)
+    steps, error, waited_s = 0, None, 0.0
+    for _ in range(batches_per_rank[ctx.rank]):
+        start = time.perf_counter()
+        try:
+            steps += _uneven_steps(model, optimizer, 1, generator)
+        except RuntimeError as exc:  # gloo's timeout (DistBackendError is a RuntimeError)
+            waited_s = time.perf_counter() - start
+            message = str(exc).strip().splitlines()[0].split("] ", 1)[-1]  # drop gloo's source path
+            error = f"{type(exc).__name__}: {message}"
+            break
+    dist.barrier()  # the rank that finished first waits here until the stuck one gave up
+    dist.destroy_process_group(group)
+    return {"rank": ctx.rank, "steps": steps, "planned": batches_per_rank[ctx.rank], "error": error,
+            "waited_s": waited_s, "timeout_s": timeout_s}
 
 
 class SlowTransform(Dataset):
@@ -92,13 +141,16 @@ class SlowTransform(Dataset):
 
 
 def time_batches(batches, steps: int, device, compute=None) -> dict:
-    """Seconds waiting for each batch and computing on it, over `steps` batches after a first one.
+    """Mean seconds per step waiting for the batch (and its copy to `device`) and computing on it.
 
-    compute(images, labels) is the training step (None: data only). The first batch is excluded: it pays
-    for starting workers.
+    batches: an iterable of (images (B, C, H, W), labels (B,)) with at least steps + 1 batches.
+    compute(images, labels) is the training step (None: data only). The first batch and its step are a
+    warm-up, not timed: it pays for starting workers and for the first forward and backward.
     """
     iterator = iter(batches)
-    next(iterator)
+    images, labels = next(iterator)
+    if compute is not None:
+        compute(images.to(device), labels.to(device))
     data_s, compute_s = [], []
     for _ in range(steps):
         start = time.perf_counter()
@@ -111,9 +163,4 @@ def time_batches(batches, steps: int, device, compute=None) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         compute_s.append(time.perf_counter() - start)
-    return {"data_s": sum(data_s) / steps, "compute_s": sum(compute_s) / steps}
-
-
-def loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory: bool, seed: int = 0) -> DataLoader:
-    return DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, num_workers=num_workers,
-                      pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed))
+    return {"steps": steps, "data_s": sum(data_s) / steps, "compute_s": sum(compute_s) / steps}

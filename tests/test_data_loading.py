@@ -1,26 +1,51 @@
-"""DistributedSampler shards, set_epoch, padding vs drop_last, Join with uneven inputs, and the real dataset loaders."""
+"""DistributedSampler shards, set_epoch, padding vs drop_last, uneven inputs with and without Join, loaders."""
 import hashlib
 import pickle
 
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import DistributedSampler
 
-from labsrc import data, sampling
+from labsrc import data, metrics, sampling
+from labsrc.dist import RankContext
+from labsrc.labs import data_loading
 from labsrc.testing import run_ranks
 
+CPU = torch.device("cpu")
 
-@pytest.mark.parametrize("size, world_size", [(10, 2), (10, 3), (12, 4)])
-def test_one_epoch_is_a_disjoint_cover_with_padding(size, world_size):
+
+def rank_context(rank: int, world_size: int) -> RankContext:
+    return RankContext(rank, rank, world_size, CPU, "gloo")
+
+
+@pytest.mark.parametrize("size, world_size", [(10, 2), (10, 3), (12, 4), (7, 4)])
+def test_one_epoch_is_a_disjoint_cover_with_padding_counted(size, world_size):
     orders = sampling.epoch_orders(size, world_size, epochs=1)
-    read = [i for order in orders.values() for i in order[0]]
-    assert set(read) == set(range(size))
     per_rank = -(-size // world_size)
     assert all(len(order[0]) == per_rank for order in orders.values())
-    assert len(read) - size == sampling.coverage(size, world_size, drop_last=False)["duplicates"]
+    read = [i for order in orders.values() for i in order[0]]
+    assert set(read) == set(range(size))
+    duplicates = len(read) - size
+    assert duplicates == per_rank * world_size - size
+    assert (sampling.coverage(size, world_size, False)["duplicates"], 0) == (duplicates, 0)
+    if duplicates == 0:  # no padding: the shards are disjoint
+        assert sum(len(set(order[0])) for order in orders.values()) == size
 
 
-def test_drop_last_drops_instead_of_duplicating():
+@pytest.mark.parametrize("size, world_size", [(10, 3), (1001, 4), (64, 8), (5, 2)])
+def test_drop_last_drops_and_padding_duplicates_as_the_formula_says(size, world_size):
+    for drop_last in (False, True):
+        counted = sampling.coverage(size, world_size, drop_last)
+        assert (counted["duplicates"], counted["dropped"]) == sampling.expected_coverage(size, world_size, drop_last)
+        assert counted["read"] == counted["per_rank"] * world_size
+    if drop_last:
+        shards = sampling.epoch_orders(size, world_size, 1, drop_last=True)
+        read = [i for order in shards.values() for i in order[0]]
+        assert len(read) == len(set(read)), "drop_last shards overlap"
+
+
+def test_drop_last_exact_counts_for_ten_samples_on_three_ranks():
     padded, dropped = sampling.coverage(10, 3, False), sampling.coverage(10, 3, True)
     assert (padded["read"], padded["duplicates"], padded["dropped"]) == (12, 2, 0)
     assert (dropped["read"], dropped["duplicates"], dropped["dropped"]) == (9, 0, 1)
@@ -31,19 +56,108 @@ def test_without_set_epoch_every_epoch_repeats():
     without = sampling.epoch_orders(20, 2, epochs=3, set_epoch=False)
     for rank in range(2):
         assert without[rank][0] == without[rank][1] == without[rank][2]
-        assert with_epochs[rank][0] != with_epochs[rank][1]
+        assert len({tuple(order) for order in with_epochs[rank]}) == 3
+        assert with_epochs[rank][0] == without[rank][0], "epoch 0 is seeded the same either way"
 
 
-def test_join_lets_uneven_ranks_finish_in_step():
-    results = run_ranks(sampling.train_uneven_with_join, 2, args=([2, 4],), timeout_s=60)
-    assert [r["steps"] for r in results] == [2, 4]
-    torch.testing.assert_close(results[0]["weight"], results[1]["weight"])
+def test_device_batches_use_the_distributed_sampler_partition():
+    dataset = data.random_noise(23, image_size=2)
+    for rank in range(3):
+        resident = data.DeviceBatches(dataset, 2, rank_context(rank, 3), seed=5)
+        sampler = DistributedSampler(dataset, num_replicas=3, rank=rank, shuffle=True, seed=5, drop_last=True)
+        for epoch in range(2):
+            sampler.set_epoch(epoch)
+            assert resident.epoch_indices(epoch).tolist() == list(sampler)
 
 
-def test_slow_transform_makes_the_loader_the_bottleneck():
+def test_slow_transform_costs_at_least_its_sleep_per_batch():
     dataset = sampling.SlowTransform(data.synthetic_images(64, 8), cost_s=0.002)
-    timing = sampling.time_batches(sampling.loader(dataset, 8, 0, False), 3, torch.device("cpu"))
+    loader, sampler = data.make_loader(dataset, 8, rank_context(0, 1))
+    timing = sampling.time_batches(data.forever(loader, sampler), 3, CPU)
+    assert timing["steps"] == 3 and timing["compute_s"] >= 0
     assert timing["data_s"] >= 8 * 0.002
+
+
+def test_worker_processes_deliver_the_same_batches_as_the_main_process():
+    """Run here, not in run_ranks: forked test ranks are daemons, which may not start loader workers."""
+    dataset = sampling.SlowTransform(data.synthetic_images(48, 4), cost_s=0.001)
+    batches = {}
+    for workers in (0, 2):
+        loader, sampler = data.make_loader(dataset, 8, rank_context(1, 2), num_workers=workers, seed=3)
+        stream = data.forever(loader, sampler)
+        batches[workers] = [next(stream) for _ in range(4)]  # 3 batches an epoch: crosses into epoch 1
+        del stream, loader
+    for (images0, labels0), (images2, labels2) in zip(batches[0], batches[2]):
+        torch.testing.assert_close(images2, images0)
+        assert labels2.tolist() == labels0.tolist()
+
+
+def test_sweep_arms_offer_pin_memory_only_with_a_gpu():
+    dataset = data.random_noise(8, image_size=2)
+    arms = data_loading.sweep_arms(rank_context(0, 1), dataset, 0.001, [0, 2])
+    assert [arm["num_workers"] for arm in arms] == [0, 2, 0]
+    assert not any(arm["pin_memory"] for arm in arms)
+    if not torch.cuda.is_available():
+        pytest.skip("pin_memory arm needs CUDA: no GPU here (the CPU arms were checked)")
+    gpu = RankContext(0, 0, 1, torch.device("cuda", 0), "nccl")
+    assert [arm["pin_memory"] for arm in data_loading.sweep_arms(gpu, dataset, 0.001, [0])] == [False, False, True]
+
+
+def _lab_in_process(ctx, run_dir):
+    args = data_loading.make_parser().parse_args(
+        ["--profile", "ci", "--workers", "0", "--steps", "2", "--join-timeout-s", "1", "--cost-ms", "1"])
+    records = metrics.RecordWriter(run_dir, ctx.rank)
+    try:
+        return data_loading.data_loading_lab(ctx, records, args)
+    finally:
+        records.close()
+
+
+@pytest.fixture(scope="module")
+def lab_run(tmp_path_factory):
+    """The whole lab body once on 2 forked gloo ranks: (summary, {rank: records})."""
+    run_dir = tmp_path_factory.mktemp("data_loading")
+    summaries = run_ranks(_lab_in_process, 2, args=(run_dir,), timeout_s=90)
+    return summaries[0], metrics.read_records(run_dir)
+
+
+def _of_kind(records, kind):
+    return {rank: [r for r in rows if r["kind"] == kind] for rank, rows in records.items()}
+
+
+def test_lab_records_each_ranks_own_sampler_orders(lab_run):
+    summary, records = lab_run
+    for rank, rows in _of_kind(records, "partition").items():
+        by_flag = {row["set_epoch"]: row["epochs"] for row in rows}
+        for flag in (True, False):
+            expected = sampling.rank_epoch_orders(summary["dataset_size"], rank, 2, summary["epochs"], set_epoch=flag)
+            assert by_flag[flag] == expected
+
+
+def test_join_lets_uneven_ranks_finish_with_identical_parameters(lab_run):
+    summary, records = lab_run
+    joined = [rows[0] for rows in _of_kind(records, "join").values()]
+    assert summary["batches_per_rank"] == [3, 4]
+    assert [r["steps"] for r in joined] == summary["batches_per_rank"]
+    assert joined[0]["weight"] == joined[1]["weight"]
+
+
+def test_without_join_the_longer_rank_waits_until_the_timeout(lab_run):
+    summary, records = lab_run
+    short, long = [rows[0] for rows in _of_kind(records, "no_join").values()]
+    assert (short["steps"], short["error"]) == (3, None), "the rank with fewer batches finishes its own"
+    assert long["steps"] == 3 and long["planned"] == 4, "the 4th step can never complete"
+    assert "Timed out" in long["error"]
+    assert long["waited_s"] >= 0.5 * summary["join_timeout_s"], "the wait ended before the timeout"
+
+
+def test_lab_sweep_times_every_arm_and_skips_pin_memory_without_gpu(lab_run):
+    summary, records = lab_run
+    arms = [row["arm"] for row in _of_kind(records, "throughput")[0]]
+    assert arms == ["slow transform, 0 worker(s)", "no slow transform, 0 workers", "resident on the device"]
+    slow = _of_kind(records, "throughput")[0][0]
+    assert slow["data_s"] >= slow["batch"] * slow["transform_cost_s"]
+    assert len(_of_kind(records, "skipped")[0]) == (0 if torch.cuda.is_available() else 1)
 
 
 def test_image_folder_loads_a_folder_of_pngs(tmp_path):
@@ -56,14 +170,17 @@ def test_image_folder_loads_a_folder_of_pngs(tmp_path):
     images, label = dataset[4]
     assert len(dataset) == 6 and dataset.classes == ["cat", "dog"]
     assert images.shape == (3, 16, 16) and label == 1
+    torch.testing.assert_close(images, torch.full((3, 16, 16), 40 / 255))
+    batch_images, batch_labels = next(iter(data.make_loader(dataset, 3, rank_context(0, 2), shuffle=False)[0]))
+    assert batch_images.shape == (3, 3, 16, 16) and batch_labels.tolist() == [0, 0, 1]
 
 
 def _write_fake_cifar(root):
+    """Six 4-image batches and the meta file, in the cifar-10-batches-py pickle format; returns their md5s."""
     folder = root / "cifar-10-batches-py"
     folder.mkdir()
     rng = np.random.default_rng(0)
-    names = [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]
-    for name in names:
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
         batch = {"data": rng.integers(0, 255, (4, 3072), dtype=np.uint8), "labels": list(range(4))}
         (folder / name).write_bytes(pickle.dumps(batch))
     (folder / "batches.meta").write_bytes(pickle.dumps({"label_names": [f"class{i}" for i in range(10)]}))
@@ -80,6 +197,10 @@ def test_cifar10_through_torchvision_on_files_we_made(tmp_path, monkeypatch):
     assert len(train) == 20 and len(test) == 4
     image, label = train[0]
     assert image.shape == (3, 32, 32) and label == 0 and train.classes[3] == "class3"
+    raw = pickle.loads((tmp_path / "cifar-10-batches-py" / "test_batch").read_bytes())["data"][1]
+    expected = torch.tensor(raw, dtype=torch.float32).reshape(3, 32, 32) / 255
+    expected = (expected - torch.tensor(data.CIFAR_MEAN)[:, None, None]) / torch.tensor(data.CIFAR_STD)[:, None, None]
+    torch.testing.assert_close(test[1][0], expected)
 
 
 def test_cifar10_is_none_when_absent(tmp_path):

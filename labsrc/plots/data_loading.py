@@ -4,11 +4,12 @@ from __future__ import annotations
 from labsrc.plots import new_axes
 
 
-def partitions(result, ax=None):
-    """Which sample each rank reads at each position, one row per (epoch, rank)."""
+def partitions(result, set_epoch: bool = True, ax=None):
+    """Which sample each rank reads at each position, one row per (epoch, rank), with or without set_epoch."""
     import numpy as np
     rows, labels = [], []
-    for record in sorted(result.of_kind("partition"), key=lambda r: r["rank"]):
+    chosen = [r for r in result.of_kind("partition") if r["set_epoch"] == set_epoch]
+    for record in sorted(chosen, key=lambda r: r["rank"]):
         for epoch, order in enumerate(record["epochs"]):
             rows.append((epoch, record["rank"], order))
     rows.sort()
@@ -17,7 +18,8 @@ def partitions(result, ax=None):
     for row, (epoch, rank, order) in enumerate(rows):
         grid[row, :len(order)] = order
         labels.append(f"epoch {epoch}, rank {rank}")
-    ax = new_axes("DistributedSampler: sample index read at each position", "position in the rank's epoch", "", ax,
+    title = f"DistributedSampler {'with' if set_epoch else 'without'} set_epoch: sample read at each position"
+    ax = new_axes(title, "position in the rank's epoch", "", ax,
                   figsize=(6.4, 0.4 * len(rows) + 1))
     ax.imshow(grid, cmap="tab20", aspect="auto")
     for (row, column), value in np.ndenumerate(grid):
