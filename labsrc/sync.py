@@ -73,46 +73,120 @@ def buffer_sync_option(enabled: bool) -> dict:
 
 
 def batch_norm_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """Every BatchNorm running mean and running variance of a model (its buffers that hold statistics)."""
     return [b for name, b in model.named_buffers() if "running_" in name]
 
 
-def global_batch_statistics(features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+class SumOverRanks(torch.autograd.Function):
+    """all_reduce(SUM) that autograd can see through: the gradient of a sum over ranks is summed too."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        total = tensor.clone()
+        dist.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx, gradient: torch.Tensor) -> torch.Tensor:
+        total = gradient.clone()
+        dist.all_reduce(total)
+        return total
+
+
+def global_batch_statistics(features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-channel mean and (biased) variance over the whole global batch, as SyncBatchNorm computes them.
 
-    features: (N_rank, C, H, W) on each rank -> (C,), (C,): all-reduce of count, sum and sum of squares.
+    features: (N_rank, C, H, W) on each rank -> mean (C,), variance (C,), count (): the same on every
+    rank. Two all-reduces: the sum gives the mean, then the sum of squared deviations from it.
     """
     dims = [0, 2, 3]
-    count = torch.tensor(float(features.numel() // features.shape[1]))
-    totals = torch.stack([features.sum(dims), (features * features).sum(dims)])
+    count = torch.tensor(float(features.numel() // features.shape[1]), device=features.device)
     dist.all_reduce(count)
-    dist.all_reduce(totals)
-    mean = totals[0] / count
-    return mean, totals[1] / count - mean * mean
+    mean = SumOverRanks.apply(features.sum(dims)) / count
+    centred = features - mean[None, :, None, None]
+    variance = SumOverRanks.apply((centred * centred).sum(dims)) / count
+    return mean, variance, count
 
 
-def dataparallel_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> dict:
-    """One training step through nn.DataParallel; what it did with the batch, and how long it took.
+class GlobalBatchNorm2d(nn.BatchNorm2d):
+    """BatchNorm2d normalising with the statistics of the global batch: SyncBatchNorm on any backend.
 
-    With 2+ GPUs the batch (N, ...) is scattered in chunks to the GPUs, the module is replicated onto each,
-    and the outputs are gathered on the first GPU. Without them DataParallel calls the module as it is.
+    (N_rank, C, H, W) -> (N_rank, C, H, W). torch's nn.SyncBatchNorm does this on GPUs only; this one
+    also runs on gloo CPU ranks. Its backward all-reduces too (SumOverRanks), so after DDP's average
+    the gradient is the full-batch BatchNorm gradient. Outside a process group, or in eval mode, it is
+    plain BatchNorm2d.
+    """
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        if not (self.training and dist.is_available() and dist.is_initialized()):
+            return super().forward(features)
+        mean, variance, count = global_batch_statistics(features)
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                momentum = self.momentum if self.momentum is not None else 1.0 / self.num_batches_tracked.item()
+                self.running_mean.lerp_(mean, momentum)
+                self.running_var.lerp_(variance * count / (count - 1), momentum)  # unbiased, as BatchNorm
+        shape = (1, -1, 1, 1)
+        normalised = (features - mean.view(shape)) * torch.rsqrt(variance.view(shape) + self.eps)
+        if self.affine:
+            normalised = normalised * self.weight.view(shape) + self.bias.view(shape)
+        return normalised
+
+
+def with_global_batch_norm(model: nn.Module, device: torch.device) -> nn.Module:
+    """The model with every BatchNorm2d normalising over the global batch, its state kept.
+
+    On CUDA: torch's nn.SyncBatchNorm.convert_sync_batchnorm. Elsewhere: GlobalBatchNorm2d.
+    """
+    if device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    for name, child in model.named_children():
+        if isinstance(child, nn.BatchNorm2d) and not isinstance(child, GlobalBatchNorm2d):
+            replacement = GlobalBatchNorm2d(child.num_features, child.eps, child.momentum, child.affine,
+                                            child.track_running_stats).to(device)
+            replacement.load_state_dict(child.state_dict())
+            setattr(model, name, replacement)
+        else:
+            with_global_batch_norm(child, device)
+    return model
+
+
+def dataparallel_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, repeats: int = 3,
+                      lr: float = 0.05) -> dict:
+    """Training steps through nn.DataParallel: what each call of the module saw, and the step time.
+
+    images: (N, 3, H, W), labels: (N,). With 2+ GPUs the batch is scattered in chunks along dim 0 to
+    device_ids, the module replicated onto each GPU, and the outputs gathered on the first; the step
+    (forward, backward, SGD update) is timed over `repeats` steps after a warm-up. With fewer GPUs
+    DataParallel calls the module as it is, once, with the whole batch.
     """
     import time
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = torch.device("cuda", 0) if gpus else torch.device("cpu")
-    parallel = nn.DataParallel(model.to(device))
-    chunks = [int(c.shape[0]) for c in images.chunk(max(1, gpus))]
+    model = model.to(device)
+    calls: list[dict] = []  # one entry per replica call; replicas share the module's hooks
+    hook = model.register_forward_pre_hook(
+        lambda module, args: calls.append({"shape": list(args[0].shape), "device": str(args[0].device)}))
+    parallel = nn.DataParallel(model, device_ids=list(range(gpus)) or None)
+    optimizer = torch.optim.SGD(parallel.parameters(), lr=lr)
     images, labels = images.to(device), labels.to(device)
     seconds = []
-    for _ in range(3 if gpus >= 2 else 1):
+    for step in range(1 + repeats if gpus >= 2 else 1):
+        if step == 1:
+            calls_of_first_step = list(calls)
         if gpus:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        parallel.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         outputs = parallel(images)
         F.cross_entropy(outputs, labels).backward()
+        optimizer.step()
         if gpus:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
-    return {"gpus": gpus, "device_ids": list(parallel.device_ids), "chunks": chunks,
-            "output_device": str(outputs.device), "replicated": gpus >= 2,
-            "step_s": min(seconds) if gpus >= 2 else None}
+    hook.remove()
+    first = calls_of_first_step if gpus >= 2 else calls
+    return {"gpus": gpus, "device_ids": list(parallel.device_ids), "calls": first,
+            "chunks": [call["shape"][0] for call in first], "output_device": str(outputs.device),
+            "replicated": len(first) > 1, "step_s": min(seconds[1:]) if gpus >= 2 else None}

@@ -1,4 +1,4 @@
-"""The sync experiment's equivalences on 2 gloo ranks: gradients, parameters, broadcast, buffers, statistics."""
+"""The sync experiment's equivalences on gloo ranks: gradients, parameters, broadcast, buffers, global BatchNorm."""
 import copy
 
 import pytest
@@ -12,8 +12,18 @@ from labsrc.models import TinyCNN
 from labsrc.testing import run_ranks
 
 
+@pytest.fixture(scope="module", autouse=True)
+def ddp_imports_loaded():
+    """DDP's first construction imports torch._dynamo (about 2 s); import it once here, before forking."""
+    import torch._dynamo  # noqa: F401
+
+
 def _batch(size=32, side=8):
     return synthetic_images(size, side, seed=7).tensors
+
+
+def _mine(ctx, tensor):
+    return sync.shard(tensor, ctx.rank, ctx.world_size)
 
 
 def _gradients_three_ways(ctx):
@@ -21,11 +31,10 @@ def _gradients_three_ways(ctx):
     model = DDP(TinyCNN(batch_norm=False))
     images, labels = _batch()
     reference = sync.full_batch_gradients(model.module, images, labels)
-    mine = sync.shard(images, ctx.rank, ctx.world_size), sync.shard(labels, ctx.rank, ctx.world_size)
-    F.cross_entropy(model(mine[0]), mine[1]).backward()
+    F.cross_entropy(model(_mine(ctx, images)), _mine(ctx, labels)).backward()
     by_hand = copy.deepcopy(model.module)
     by_hand.zero_grad(set_to_none=True)
-    F.cross_entropy(by_hand(mine[0]), mine[1]).backward()
+    F.cross_entropy(by_hand(_mine(ctx, images)), _mine(ctx, labels)).backward()
     sync.average_gradients(by_hand, ctx.world_size)
     return reference, sync.gradients(model), sync.gradients(by_hand)
 
@@ -33,6 +42,7 @@ def _gradients_three_ways(ctx):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ddp_and_hand_averaged_gradients_equal_the_full_batch_gradient(world_size):
     for reference, ddp_gradients, hand_gradients in run_ranks(_gradients_three_ways, world_size):
+        assert reference.keys() == ddp_gradients.keys() == hand_gradients.keys() and reference
         for name in reference:
             torch.testing.assert_close(ddp_gradients[name], reference[name], rtol=1e-4, atol=1e-6)
             torch.testing.assert_close(hand_gradients[name], reference[name], rtol=1e-4, atol=1e-6)
@@ -40,28 +50,33 @@ def test_ddp_and_hand_averaged_gradients_equal_the_full_batch_gradient(world_siz
 
 def _broadcast_then_train(ctx):
     torch.manual_seed(100 + ctx.rank)
-    model = TinyCNN(batch_norm=False)
-    before = sync.spread_across_ranks(list(model.parameters()))
+    model = TinyCNN(batch_norm=True)
+    with torch.no_grad():
+        model(torch.randn(4, 3, 8, 8))  # rank-dependent running statistics
+    spreads = {"parameters": sync.spread_across_ranks(list(model.parameters())),
+               "buffers": sync.spread_across_ranks(sync.batch_norm_buffers(model))}
     model = DDP(model)
-    after = sync.spread_across_ranks(list(model.parameters()))
+    spreads["parameters after"] = sync.spread_across_ranks(list(model.parameters()))
+    spreads["buffers after"] = sync.spread_across_ranks(sync.batch_norm_buffers(model.module))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     images, labels = _batch()
-    spreads = []
+    steps = []
     for step in range(3):
         torch.manual_seed(step * 10 + ctx.rank)  # different data on every rank
         index = torch.randint(len(labels), (8,))
         optimizer.zero_grad()
         F.cross_entropy(model(images[index]), labels[index]).backward()
         optimizer.step()
-        spreads.append(sync.spread_across_ranks(list(model.parameters())))
-    return before, after, spreads
+        steps.append(sync.spread_across_ranks(list(model.parameters())))
+    return spreads, steps
 
 
-def test_construction_broadcasts_and_parameters_stay_identical():
-    (before0, after0, spreads0), (before1, after1, spreads1) = run_ranks(_broadcast_then_train, 2)
-    assert before0 == before1 > 0
-    assert after0 == after1 == 0.0
-    assert spreads0 == spreads1 == [0.0, 0.0, 0.0]
+def test_construction_broadcasts_parameters_and_buffers_and_parameters_stay_identical():
+    (spreads0, steps0), (spreads1, steps1) = run_ranks(_broadcast_then_train, 2)
+    assert spreads0 == spreads1
+    assert spreads0["parameters"] > 0 and spreads0["buffers"] > 0, "ranks should start different"
+    assert spreads0["parameters after"] == spreads0["buffers after"] == 0.0
+    assert steps0 == steps1 == [0.0, 0.0, 0.0]
 
 
 def _buffers(ctx, enabled):
@@ -71,7 +86,7 @@ def _buffers(ctx, enabled):
     model.module.register_forward_pre_hook(lambda m, a: seen.append([b.clone() for b in sync.batch_norm_buffers(m)]))
     images, _ = _batch()
     for _ in range(2):
-        model(sync.shard(images, ctx.rank, ctx.world_size)).sum().backward()
+        model(_mine(ctx, images)).sum().backward()
     return sync.spread_across_ranks(seen[-1])
 
 
@@ -80,17 +95,56 @@ def test_buffer_sync_gives_every_forward_rank_zeros_buffers():
     assert min(run_ranks(_buffers, 2, args=(False,))) > 0.0
 
 
-def _statistics(ctx):
-    images, _ = _batch()
-    mean, var = sync.global_batch_statistics(sync.shard(images, ctx.rank, ctx.world_size))
-    return mean, var
+def _global_batch_norm(ctx):
+    images, labels = _batch()
+    mean, variance, count = sync.global_batch_statistics(_mine(ctx, images))
+    torch.manual_seed(0)
+    model = TinyCNN(batch_norm=True)
+    reference = sync.full_batch_gradients(model, images, labels)
+    local = DDP(copy.deepcopy(model))
+    F.cross_entropy(local(_mine(ctx, images)), _mine(ctx, labels)).backward()
+    synced = DDP(sync.with_global_batch_norm(copy.deepcopy(model), ctx.device))
+    F.cross_entropy(synced(_mine(ctx, images)), _mine(ctx, labels)).backward()
+    layer = synced.module.features[1]
+    return {"mean": mean, "variance": variance, "count": count.item(), "layer": type(layer).__name__,
+            "running_mean": layer.running_mean.clone(), "running_var": layer.running_var.clone(),
+            "reference": reference, "local": sync.gradients(local), "global": sync.gradients(synced)}
 
 
-def test_global_batch_statistics_equal_the_full_batch_ones():
+def test_global_batch_norm_gives_the_full_batch_statistics_and_gradient():
     images, _ = _batch()
-    for mean, var in run_ranks(_statistics, 2):
-        torch.testing.assert_close(mean, images.mean(dim=[0, 2, 3]), rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(var, images.var(dim=[0, 2, 3], unbiased=False), rtol=1e-4, atol=1e-5)
+    channels = TinyCNN(batch_norm=True).features[0].out_channels
+    for result in run_ranks(_global_batch_norm, 2):
+        assert result["count"] == 32 * 8 * 8 and result["layer"] == "GlobalBatchNorm2d"
+        torch.testing.assert_close(result["mean"], images.mean(dim=[0, 2, 3]), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(result["variance"], images.var(dim=[0, 2, 3], unbiased=False),
+                                   rtol=1e-4, atol=1e-5)
+        assert result["running_mean"].shape == result["running_var"].shape == (channels,)
+        for name, expected in result["reference"].items():
+            torch.testing.assert_close(result["global"][name], expected, rtol=1e-4, atol=1e-6)
+        assert sync.largest_gap(result["local"], result["reference"]) > 1e-4, "per-rank BN should differ"
+
+
+def _global_running_statistics(ctx):
+    layer = sync.with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(3, momentum=0.5)), ctx.device)
+    images, _ = _batch()
+    return layer(_mine(ctx, images)), layer[0].running_mean, layer[0].running_var
+
+
+def test_global_batch_norm_output_and_running_statistics_equal_one_process_batch_norm():
+    images, _ = _batch()
+    full = torch.nn.BatchNorm2d(3, momentum=0.5)
+    expected = full(images)
+    for rank, (output, running_mean, running_var) in enumerate(run_ranks(_global_running_statistics, 2)):
+        torch.testing.assert_close(output, expected.chunk(2)[rank], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(running_mean, full.running_mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(running_var, full.running_var, rtol=1e-5, atol=1e-6)
+
+
+def test_global_batch_norm_alone_is_plain_batch_norm():
+    layer = sync.with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(3)), torch.device("cpu"))
+    images, _ = _batch()
+    torch.testing.assert_close(layer(images), torch.nn.BatchNorm2d(3)(images))
 
 
 def test_shard_refuses_a_batch_that_does_not_split_evenly():
@@ -98,19 +152,28 @@ def test_shard_refuses_a_batch_that_does_not_split_evenly():
         sync.shard(torch.zeros(10), 0, 3)
 
 
-def test_dataparallel_without_two_gpus_calls_the_module_directly():
+def test_dataparallel_shows_what_the_module_saw():
     images, labels = _batch(8)
-    report = sync.dataparallel_step(TinyCNN(), images, labels)
+    report = sync.dataparallel_step(TinyCNN(), images, labels, repeats=2)
     assert sum(report["chunks"]) == 8
-    if report["gpus"] < 2:
+    if report["gpus"] < 2:  # no scatter, no replicas: one call with the whole batch
+        assert report["calls"] == [{"shape": [8, 3, 8, 8], "device": "cuda:0" if report["gpus"] else "cpu"}]
         assert not report["replicated"] and report["step_s"] is None
+    else:
+        assert len(report["calls"]) == report["gpus"] and report["step_s"] > 0
 
 
 @pytest.mark.slow
 def test_lab_records_every_experiment(tmp_path, monkeypatch):
     from labsrc.labs.ddp_sync import launch_sync_experiment
+    from labsrc.plots.sync import curve_gaps
     monkeypatch.setenv("LABSRC_RUNS", str(tmp_path))
-    result = launch_sync_experiment(nproc=2, profile="ci", timeout=180)
-    kinds = {r["kind"] for r in result.of_kind("context")} | {r["kind"] for rows in result.records.values() for r in rows}
-    assert {"broadcast", "gradients", "buffers", "statistics", "step", "single_step"} <= kinds
+    result = launch_sync_experiment(nproc=2, global_batch=32, profile="ci", timeout=180)
+    assert result.summary["global_batch"] == 32 and result.summary["per_rank_batch"] == 16
+    assert {r["rank"]: r["shard_size"] for r in result.of_kind("gradients")} == {0: 16, 1: 16}
     assert max(r["parameter_spread"] for r in result.of_kind("step")) == 0.0
+    steps = result.summary["steps"]
+    assert len(result.of_kind("step")) == 2 * 3 * steps and len(result.of_kind("single_step")) == 2 * steps
+    gaps = curve_gaps(result)
+    assert gaps["no BatchNorm"] < 1e-3 and gaps["BatchNorm, global statistics"] < 1e-3
+    assert gaps["BatchNorm, per-rank statistics"] > 10 * gaps["BatchNorm, global statistics"]

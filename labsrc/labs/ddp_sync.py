@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import torch
 from torch.nn import functional as F
@@ -14,55 +15,110 @@ from labsrc import data, sync
 from labsrc.labs.common import base_parser, resolve_profile, run_lab
 from labsrc.metrics import timed
 from labsrc.models import TinyCNN
-from labsrc.train import TrainConfig, train
+
+# (name, BatchNorm in the model, BatchNorm statistics over the global batch): the training runs compared.
+VARIANTS = (("no BatchNorm", False, False),
+            ("BatchNorm, per-rank statistics", True, False),
+            ("BatchNorm, global statistics", True, True))
 
 
-def global_batch(profile, seed: int):
+def global_batch(size: int, profile, seed: int):
     """The same (G, 3, H, W) images and (G,) labels on every rank."""
-    dataset = data.synthetic_images(profile.global_batch, profile.image_size, seed=seed)
-    return dataset.tensors
+    return data.synthetic_images(size, profile.image_size, seed=seed).tensors
 
 
-def construction_broadcast(ctx, records, seed: int) -> DDP:
+def build(ctx, seed: int, batch_norm: bool, global_statistics: bool = False) -> torch.nn.Module:
+    """TinyCNN from `seed`; with global_statistics its BatchNorm layers normalise over the global batch."""
+    torch.manual_seed(seed)
+    model = TinyCNN(batch_norm=batch_norm).to(ctx.device)
+    return sync.with_global_batch_norm(model, ctx.device) if global_statistics else model
+
+
+def construction_broadcast(ctx, records, seed: int) -> None:
     """Seed every rank differently, then wrap in DDP: rank 0's parameters and buffers win."""
-    torch.manual_seed(seed + 1000 * ctx.rank)
-    model = TinyCNN(batch_norm=False).to(ctx.device)
+    model = build(ctx, seed + 1000 * ctx.rank, batch_norm=True)
+    with torch.no_grad():  # give the buffers rank-dependent values too (fresh ones are all 0 and 1)
+        model(torch.randn(8, 3, 8, 8, device=ctx.device))
+    buffers = sync.batch_norm_buffers(model)
     before = sync.spread_across_ranks(list(model.parameters()))
+    buffers_before = sync.spread_across_ranks(buffers)
     wrapped = DDP(model)
-    after = sync.spread_across_ranks(list(wrapped.parameters()))
-    records.write("broadcast", before=before, after=after)
-    return wrapped
+    records.write("broadcast", before=before, after=sync.spread_across_ranks(list(wrapped.parameters())),
+                  buffers_before=buffers_before, buffers_after=sync.spread_across_ranks(buffers))
 
 
-def gradient_equivalence(ctx, records, model: DDP, images, labels) -> None:
+def ddp_gradients(ctx, model: torch.nn.Module, images, labels) -> dict:
+    """This rank's gradients after DDP's backward on its shard of the global batch."""
+    wrapped = DDP(copy.deepcopy(model))
+    mine = sync.shard(images, ctx.rank, ctx.world_size), sync.shard(labels, ctx.rank, ctx.world_size)
+    F.cross_entropy(wrapped(mine[0]), mine[1]).backward()
+    return sync.gradients(wrapped)
+
+
+def gradient_equivalence(ctx, records, images, labels, seed: int) -> None:
     """DDP's gradient, the hand-averaged one and the single-process full-batch one, compared."""
     images, labels = images.to(ctx.device), labels.to(ctx.device)
-    reference = sync.full_batch_gradients(model.module, images, labels)
+    model = build(ctx, seed, batch_norm=False)
+    reference = sync.full_batch_gradients(model, images, labels)
+    with_ddp = ddp_gradients(ctx, model, images, labels)
+    by_hand = copy.deepcopy(model)
     mine, my_labels = sync.shard(images, ctx.rank, ctx.world_size), sync.shard(labels, ctx.rank, ctx.world_size)
-    model.zero_grad(set_to_none=True)
-    F.cross_entropy(model(mine), my_labels).backward()
-    ddp_gradients = sync.gradients(model)
-    by_hand = copy.deepcopy(model.module)
-    by_hand.zero_grad(set_to_none=True)
     F.cross_entropy(by_hand(mine), my_labels).backward()
     local = sync.gradients(by_hand)
     sync.average_gradients(by_hand, ctx.world_size)
-    hand_gradients = sync.gradients(by_hand)
+    hand = sync.gradients(by_hand)
+    bn_model = build(ctx, seed, batch_norm=True)
+    bn_reference = sync.full_batch_gradients(bn_model, images, labels)
+    bn_local = ddp_gradients(ctx, bn_model, images, labels)
+    bn_global = ddp_gradients(ctx, sync.with_global_batch_norm(copy.deepcopy(bn_model), ctx.device),
+                              images, labels)
     records.write("gradients",
-                  ddp_vs_full_batch=sync.largest_gap(ddp_gradients, reference),
-                  hand_vs_full_batch=sync.largest_gap(hand_gradients, reference),
+                  ddp_vs_full_batch=sync.largest_gap(with_ddp, reference),
+                  hand_vs_full_batch=sync.largest_gap(hand, reference),
                   local_vs_full_batch=sync.largest_gap(local, reference),
-                  spread_across_ranks=sync.spread_across_ranks(list(ddp_gradients.values())),
+                  spread_across_ranks=sync.spread_across_ranks(list(with_ddp.values())),
                   largest_gradient=max(g.abs().max().item() for g in reference.values()),
+                  batch_norm_local_vs_full_batch=sync.largest_gap(bn_local, bn_reference),
+                  batch_norm_global_vs_full_batch=sync.largest_gap(bn_global, bn_reference),
+                  batch_norm_largest_gradient=max(g.abs().max().item() for g in bn_reference.values()),
                   shard_size=int(mine.shape[0]))
 
 
-def train_and_compare(ctx, records, model: DDP, profile, seed: int) -> None:
-    """DDP training with every step's phases timed and parameters compared across ranks after each step;
-    then rank 0 trains a copy of the same start in one process on the same global batches."""
-    start_state = copy.deepcopy(model.module.state_dict())
+def batch_norm_experiments(ctx, records, images, seed: int) -> None:
+    """Rank-local BatchNorm buffers with and without DDP's buffer sync; statistics of the global batch."""
+    mine = sync.shard(images, ctx.rank, ctx.world_size).to(ctx.device)
+    for broadcast in (False, True):
+        model = DDP(build(ctx, seed, batch_norm=True), **sync.buffer_sync_option(broadcast))
+        seen: list = []
+        model.module.register_forward_pre_hook(
+            lambda module, args: seen.append([b.clone() for b in sync.batch_norm_buffers(module)]))
+        for _ in range(3):
+            model(mine).sum().backward()
+        records.write("buffers", broadcast_buffers=broadcast,
+                      spread_seen_by_forward=sync.spread_across_ranks(seen[-1]),
+                      spread_after_forward=sync.spread_across_ranks(sync.batch_norm_buffers(model.module)))
+    features = build(ctx, seed, batch_norm=True).features[0]
+    with torch.no_grad():
+        whole, shard_features = features(images.to(ctx.device)), features(mine)
+        reference = torch.nn.BatchNorm2d(whole.shape[1], momentum=1.0).to(ctx.device)
+        full_output = sync.shard(reference(whole), ctx.rank, ctx.world_size)
+        local_output = torch.nn.BatchNorm2d(whole.shape[1]).to(ctx.device)(shard_features)
+        layer = sync.with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(whole.shape[1])),
+                                            ctx.device).to(ctx.device)
+        layer[0].momentum = 1.0  # running statistics := this batch's
+        global_output = layer(shard_features)
+    records.write("statistics", layer=type(layer[0]).__name__,
+                  local_output_vs_full=(local_output - full_output).abs().max().item(),
+                  global_output_vs_full=(global_output - full_output).abs().max().item(),
+                  global_running_mean_vs_full=(layer[0].running_mean - reference.running_mean).abs().max().item(),
+                  global_running_var_vs_full=(layer[0].running_var - reference.running_var).abs().max().item())
+
+
+def train_ddp(ctx, records, profile, dataset, variant, seed: int, time_local_backward: bool) -> None:
+    """One DDP run: per-step loss, phase times and the parameters' spread across ranks after each step."""
+    name, batch_norm, global_statistics = variant
+    model = DDP(build(ctx, seed, batch_norm, global_statistics))
     optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
-    dataset = data.synthetic_images(profile.num_samples, profile.image_size, seed=seed)
     batches = iter(data.DeviceBatches(dataset, profile.global_batch // ctx.world_size, ctx, seed=seed))
     for step in range(profile.steps):
         images, labels = next(batches)
@@ -73,85 +129,71 @@ def train_and_compare(ctx, records, model: DDP, profile, seed: int) -> None:
             loss.backward()
         with timed(ctx.device) as update:
             optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        with model.no_sync(), timed(ctx.device) as local_backward:  # same backward, no communication
-            F.cross_entropy(model(images), labels).backward()
-        optimizer.zero_grad(set_to_none=True)
-        records.write("step", step=step, loss=loss.item(), forward_s=forward["s"], backward_s=backward["s"],
-                      local_backward_s=local_backward["s"], optimizer_s=update["s"],
+        local = {"s": None}
+        if time_local_backward:  # the same backward again under no_sync: no communication at all
+            with model.no_sync():  # no_sync must cover the forward: DDP arms its reducer there
+                local_loss = F.cross_entropy(model(images), labels)
+                optimizer.zero_grad(set_to_none=True)
+                with timed(ctx.device) as local:
+                    local_loss.backward()
+            optimizer.zero_grad(set_to_none=True)
+        records.write("step", variant=name, step=step, loss=loss.item(), forward_s=forward["s"],
+                      backward_s=backward["s"], local_backward_s=local["s"], optimizer_s=update["s"],
                       parameter_spread=sync.spread_across_ranks(list(model.parameters())))
-        records.progress(step + 1, profile.steps + (profile.steps if ctx.is_main else 0))
-    if ctx.is_main:
-        single = TinyCNN(batch_norm=False).to(ctx.device)
-        single.load_state_dict(start_state)
-        whole = data.DeviceBatches(dataset, profile.global_batch, ctx.__class__(0, 0, 1, ctx.device, "none"),
-                                   seed=seed)
-        result = train(single, iter(whole), ctx, TrainConfig(steps=profile.steps, lr=profile.lr, momentum=0.9,
-                                                             log_every=profile.steps))
-        for step, value in enumerate(result["losses"]):
-            records.write("single_step", step=step, loss=value)
-        records.progress(2 * profile.steps, 2 * profile.steps)
 
 
-def batch_norm_buffers(ctx, records, profile, seed: int) -> None:
-    """Rank-local BatchNorm statistics, DDP's buffer broadcast, and the global statistics SyncBatchNorm uses."""
-    images, labels = global_batch(profile, seed + 1)
-    mine = sync.shard(images, ctx.rank, ctx.world_size).to(ctx.device)
-    for broadcast in (False, True):
-        torch.manual_seed(seed)
-        model = DDP(TinyCNN(batch_norm=True).to(ctx.device), **sync.buffer_sync_option(broadcast))
-        seen: list = []
-        model.module.register_forward_pre_hook(
-            lambda module, args: seen.append([b.clone() for b in sync.batch_norm_buffers(module)]))
-        for _ in range(3):
-            model(mine).sum().backward()
-        records.write("buffers", broadcast_buffers=broadcast,
-                      spread_seen_by_forward=sync.spread_across_ranks(seen[-1]),
-                      spread_after_forward=sync.spread_across_ranks(sync.batch_norm_buffers(model.module)))
-    first_layer = TinyCNN(batch_norm=True).features[0].to(ctx.device)
-    with torch.no_grad():
-        features = first_layer(mine)
-        whole = first_layer(images.to(ctx.device))
-        global_mean, global_var = sync.global_batch_statistics(features)
-        rank_mean = features.mean(dim=[0, 2, 3])
-        full_mean, full_var = whole.mean(dim=[0, 2, 3]), whole.var(dim=[0, 2, 3], unbiased=False)
-    records.write("statistics", rank_mean_vs_full=(rank_mean - full_mean).abs().max().item(),
-                  synced_mean_vs_full=(global_mean - full_mean).abs().max().item(),
-                  synced_var_vs_full=(global_var - full_var).abs().max().item(),
-                  sync_batch_norm_ran=_sync_batch_norm_on_gpu(ctx, mine, full_mean))
-
-
-def _sync_batch_norm_on_gpu(ctx, mine, full_mean) -> float | None:
-    """torch's SyncBatchNorm itself (GPU only): its running mean after one step vs the full-batch mean."""
-    if ctx.device.type != "cuda":
-        return None
-    model = DDP(torch.nn.SyncBatchNorm.convert_sync_batchnorm(TinyCNN(batch_norm=True)).to(ctx.device))
-    layer = model.module.features[1]
-    layer.momentum = 1.0  # running mean := this batch's (global) mean
-    features = model.module.features[0](mine)
-    layer(features)
-    return (layer.running_mean - full_mean).abs().max().item()
+def train_single(ctx, records, profile, dataset, batch_norm: bool, seed: int) -> None:
+    """Rank 0 alone: the same start, one process, the whole global batch each step (the union of the shards)."""
+    alone = dataclasses.replace(ctx, rank=0, local_rank=0, world_size=1)
+    model = build(ctx, seed, batch_norm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
+    batches = iter(data.DeviceBatches(dataset, profile.global_batch, alone, seed=seed))
+    for step in range(profile.steps):
+        images, labels = next(batches)
+        loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        records.write("single_step", batch_norm=batch_norm, step=step, loss=loss.item())
 
 
 def ddp_sync(ctx, records, args) -> dict:
     profile = resolve_profile(args)
-    model = construction_broadcast(ctx, records, args.seed)
-    images, labels = global_batch(profile, args.seed)
-    gradient_equivalence(ctx, records, model, images, labels)
-    batch_norm_buffers(ctx, records, profile, args.seed)
-    train_and_compare(ctx, records, model, profile, args.seed)
-    return {"profile": profile.name, "global_batch": profile.global_batch, "steps": profile.steps}
+    if args.global_batch:
+        profile = profile.replace(global_batch=args.global_batch)
+    if profile.global_batch % ctx.world_size:
+        raise ValueError(f"global batch {profile.global_batch} does not split evenly over {ctx.world_size} "
+                         f"ranks: choose a multiple of {ctx.world_size}")
+    construction_broadcast(ctx, records, args.seed)
+    images, labels = global_batch(profile.global_batch, profile, args.seed)
+    gradient_equivalence(ctx, records, images, labels, args.seed)
+    batch_norm_experiments(ctx, records, images, args.seed)
+    dataset = data.synthetic_images(profile.num_samples, profile.image_size, seed=args.seed)
+    runs = len(VARIANTS) + (2 if ctx.is_main else 0)
+    for index, variant in enumerate(VARIANTS):
+        train_ddp(ctx, records, profile, dataset, variant, args.seed, time_local_backward=index == 0)
+        records.progress(index + 1, runs)
+    if ctx.is_main:
+        for index, batch_norm in enumerate((False, True)):
+            train_single(ctx, records, profile, dataset, batch_norm, args.seed)
+            records.progress(len(VARIANTS) + index + 1, runs)
+    return {"profile": profile.name, "global_batch": profile.global_batch, "steps": profile.steps,
+            "per_rank_batch": profile.global_batch // ctx.world_size, "variants": [v[0] for v in VARIANTS]}
 
 
-def launch_sync_experiment(nproc: int, profile: str | None = None, timeout: float = 600.0):
+def launch_sync_experiment(nproc: int, global_batch: int | None = None, profile: str | None = None,
+                           timeout: float = 600.0):
     """Run this lab on nproc ranks from a notebook (the default cell and the controls both call this)."""
     from labsrc import launch
-    return launch.run("ddp_sync", nproc=nproc, args=["--profile", profile] if profile else [],
-                      timeout=timeout)
+    args = ["--profile", profile] if profile else []
+    args += ["--global-batch", global_batch] if global_batch else []
+    return launch.run("ddp_sync", nproc=nproc, args=args, timeout=timeout)
 
 
 def main(argv=None):
     parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--global-batch", type=int, default=None,
+                        help="samples per step over all ranks (default: the profile's)")
     return run_lab("ddp_sync", ddp_sync, parser.parse_args(argv))
 
 

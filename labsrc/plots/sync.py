@@ -3,23 +3,60 @@ from __future__ import annotations
 
 import statistics
 
-from labsrc.plots import bars, curves, mean_over_ranks
+from labsrc.plots import bars, curves
+
+TIMED_VARIANT = "no BatchNorm"
 
 
-def loss_curves(result, ax=None):
-    """DDP's loss (mean of the ranks' losses) beside single-process training on the same global batches."""
-    ddp_steps, ddp_loss = mean_over_ranks(result, "step", "loss")
-    single = result.of_kind("single_step", rank=0)
-    series = {f"DDP, {result.nproc} ranks (mean of rank losses)": (ddp_steps, ddp_loss),
-              "one process, whole global batch": ([r["step"] for r in single], [r["loss"] for r in single])}
-    styles = {name: style for name, style in zip(series, [{"linewidth": 4, "alpha": 0.4},
-                                                         {"linestyle": "--", "marker": "."}])}
-    return curves(series, "Same global batch, same curve", "step", "training loss", ax=ax, styles=styles)
+def ddp_loss(result, variant: str) -> tuple[list[int], list[float]]:
+    """(steps, loss) of one DDP run: the loss at a step is the mean of the ranks' losses."""
+    by_step: dict[int, list[float]] = {}
+    for record in result.of_kind("step"):
+        if record["variant"] == variant:
+            by_step.setdefault(record["step"], []).append(record["loss"])
+    steps = sorted(by_step)
+    return steps, [sum(by_step[s]) / len(by_step[s]) for s in steps]
+
+
+def single_loss(result, batch_norm: bool) -> tuple[list[int], list[float]]:
+    """(steps, loss) of rank 0's single-process run on the whole global batches."""
+    rows = [r for r in result.of_kind("single_step", rank=0) if r["batch_norm"] == batch_norm]
+    return [r["step"] for r in rows], [r["loss"] for r in rows]
+
+
+def curve_gaps(result) -> dict[str, float]:
+    """{variant: largest |DDP loss - single-process loss| over steps}, each beside its own single run."""
+    gaps = {}
+    for variant in result.summary["variants"]:
+        _, ddp = ddp_loss(result, variant)
+        _, single = single_loss(result, batch_norm=variant != TIMED_VARIANT)
+        if len(ddp) != len(single):
+            raise ValueError(f"{variant}: {len(ddp)} DDP steps but {len(single)} single-process steps")
+        gaps[variant] = max(abs(a - b) for a, b in zip(ddp, single))
+    return gaps
+
+
+def loss_curves(result, axes=None):
+    """Two panels: without BatchNorm, and with it (per-rank vs global statistics), each beside one process."""
+    import matplotlib.pyplot as plt
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    wide, dashed = {"linewidth": 4, "alpha": 0.4}, {"linestyle": "--", "marker": "."}
+    plain = {f"DDP, {result.nproc} ranks": ddp_loss(result, TIMED_VARIANT),
+             "one process, whole global batch": single_loss(result, False)}
+    curves(plain, "No BatchNorm: the same curve", "step", "training loss", ax=axes[0],
+           styles=dict(zip(plain, [wide, dashed])))
+    normed = {f"DDP, {v.split(', ')[1]}": ddp_loss(result, v) for v in result.summary["variants"][1:]}
+    normed["one process, whole global batch"] = single_loss(result, True)
+    curves(normed, "BatchNorm: global statistics close the gap", "step", "training loss", ax=axes[1],
+           styles=dict(zip(normed, [{"marker": "x"}, wide, dashed])))
+    return axes
 
 
 def step_breakdown_ms(result) -> dict[str, float]:
-    """Median milliseconds per phase over steps and ranks; communication = DDP backward - local backward."""
-    steps = result.of_kind("step")[1:] or result.of_kind("step")  # the first step pays for warm-up
+    """Median milliseconds per phase over steps and ranks; all-reduce = DDP backward - no_sync backward."""
+    steps = [r for r in result.of_kind("step") if r["variant"] == TIMED_VARIANT]
+    steps = [r for r in steps if r["step"] > 0] or steps  # the first step pays for warm-up
     median = lambda key: 1000 * statistics.median(r[key] for r in steps)
     return {"forward": median("forward_s"), "backward (local compute)": median("local_backward_s"),
             "backward extra under DDP (all-reduce)": max(0.0, median("backward_s") - median("local_backward_s")),
