@@ -42,9 +42,9 @@ def count_flops(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, pr
     """FLOPs of one forward + backward, counted by torch.utils.flop_counter (matmuls and convolutions)."""
     from torch.utils.flop_counter import FlopCounterMode
     counter = FlopCounterMode(display=False)
-    with counter, autocast(images.device, precision):
-        loss = F.cross_entropy(model(images), labels)
-    with counter:
+    with counter:  # one context: entering it again would start the count afresh
+        with autocast(images.device, precision):
+            loss = F.cross_entropy(model(images), labels)
         loss.backward()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops()

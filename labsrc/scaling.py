@@ -1,0 +1,94 @@
+"""Scaling arithmetic: strong and weak scaling, learning-rate scaling with warm-up, and step time predicted for N GPUs."""
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from torch.nn import functional as F
+
+from labsrc.alpha_beta import AlphaBeta, ring_allreduce_time_s
+from labsrc.metrics import synchronize
+
+# Link models for extrapolation. These are model inputs, not measurements:
+# - NVLink 4 on H100 SXM: 900 GB/s total per GPU, i.e. 450 GB/s each way (NVIDIA H100 datasheet).
+# - InfiniBand NDR: 400 Gb/s = 50 GB/s per port, one port per GPU (NVIDIA ConnectX-7 / Quantum-2 datasheets).
+# - alpha: a per-step latency of the order of NCCL's small-message all-reduce time (tens of microseconds
+#   inside a node, more across nodes); change them to your own 02_collectives fit.
+LINKS = {
+    "NVLink 4 (H100, one node)": AlphaBeta(alpha_s=10e-6, beta_s_per_byte=1 / 450e9, r2=float("nan")),
+    "InfiniBand NDR 400 Gb/s": AlphaBeta(alpha_s=20e-6, beta_s_per_byte=1 / 50e9, r2=float("nan")),
+}
+
+
+def strong_scaling(step_s: dict[int, float]) -> dict[int, dict]:
+    """Fixed global batch: speedup = T(1) / T(n), efficiency = speedup / n."""
+    base = step_s[1]
+    return {n: {"speedup": base / t, "efficiency": base / t / n} for n, t in sorted(step_s.items())}
+
+
+def weak_scaling(step_s: dict[int, float]) -> dict[int, dict]:
+    """Fixed batch per rank: n times the work per step, so speedup = n T(1) / T(n), efficiency = T(1) / T(n)."""
+    base = step_s[1]
+    return {n: {"speedup": n * base / t, "efficiency": base / t} for n, t in sorted(step_s.items())}
+
+
+def scaled_lr(base_lr: float, base_batch: int, global_batch: int) -> float:
+    """The linear scaling rule (Goyal et al., 2017): the learning rate grows with the global batch."""
+    return base_lr * global_batch / base_batch
+
+
+def warmup_lr(step: int, peak_lr: float, warmup_steps: int) -> float:
+    """Linear warm-up from peak/warmup_steps to the peak over warmup_steps steps, then constant."""
+    return peak_lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else peak_lr
+
+
+def predict_step_s(compute_s: float, gradient_bytes: float, world_size: int, link: AlphaBeta,
+                   overlap: float = 0.0) -> float:
+    """Step time with a ring all-reduce of the gradients: compute + (1 - overlap) x communication.
+
+    overlap=0: communication after compute (an upper bound); overlap=1: fully hidden behind backward, so
+    the step takes max(compute, communication).
+    """
+    communication = ring_allreduce_time_s(gradient_bytes, world_size, link)
+    hidden = min(compute_s, communication) * overlap
+    return compute_s + communication - hidden
+
+
+def extrapolate(compute_s: float, gradient_bytes: float, gpus: list[int], gpus_per_node: int = 8,
+                overlap: float = 0.0) -> dict[str, list[dict]]:
+    """Predicted step time and efficiency at each GPU count: NVLink inside a node, InfiniBand across nodes.
+
+    A flat ring spanning nodes runs at the speed of its slowest link, the InfiniBand one.
+    """
+    rows = {"within a node (NVLink)": [], "across nodes (InfiniBand)": []}
+    for n in gpus:
+        key, link = (("within a node (NVLink)", LINKS["NVLink 4 (H100, one node)"]) if n <= gpus_per_node
+                     else ("across nodes (InfiniBand)", LINKS["InfiniBand NDR 400 Gb/s"]))
+        step = predict_step_s(compute_s, gradient_bytes, n, link, overlap)
+        rows[key].append({"gpus": n, "step_s": step, "efficiency": compute_s / step})
+    return rows
+
+
+def step_times(model, batches, optimizer, device, steps: int, warmup: int = 2, no_sync=None) -> float:
+    """Median seconds of a full training step; with no_sync (a DDP model's) the step skips communication."""
+    import contextlib
+    seconds = []
+    for step in range(warmup + steps):
+        images, labels = next(batches)
+        context = no_sync() if no_sync is not None else contextlib.nullcontext()
+        synchronize(device)
+        start = time.perf_counter()
+        with context:
+            loss = F.cross_entropy(model(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+        optimizer.step()
+        synchronize(device)
+        if step >= warmup:
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
+def gradient_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

@@ -1,0 +1,44 @@
+"""Scaling arithmetic and the benchmark of the course's own loop."""
+import argparse
+
+import pytest
+
+from labsrc import scaling
+from labsrc.alpha_beta import AlphaBeta, fit, ring_allreduce_time_s
+
+
+def test_strong_and_weak_scaling():
+    assert scaling.strong_scaling({1: 10.0, 2: 5.0, 4: 4.0})[4] == {"speedup": 2.5, "efficiency": 0.625}
+    assert scaling.weak_scaling({1: 10.0, 4: 12.5})[4] == {"speedup": 3.2, "efficiency": 0.8}
+
+
+def test_learning_rate_rules():
+    assert scaling.scaled_lr(0.1, 256, 1024) == pytest.approx(0.4)
+    assert [scaling.warmup_lr(s, 1.0, 4) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+
+
+def test_prediction_bounds_and_extrapolation():
+    link = AlphaBeta(1e-5, 1e-10, 1.0)
+    upper = scaling.predict_step_s(0.01, 4e7, 8, link, overlap=0.0)
+    lower = scaling.predict_step_s(0.01, 4e7, 8, link, overlap=1.0)
+    assert upper == pytest.approx(0.01 + ring_allreduce_time_s(4e7, 8, link))
+    assert lower == pytest.approx(max(0.01, ring_allreduce_time_s(4e7, 8, link)))
+    rows = scaling.extrapolate(0.01, 4.5e7, [2, 8, 16, 64])
+    assert [r["gpus"] for r in rows["within a node (NVLink)"]] == [2, 8]
+    efficiencies = [r["efficiency"] for part in rows.values() for r in part]
+    assert all(a >= b for a, b in zip(efficiencies, efficiencies[1:]))
+
+
+def test_alpha_beta_fit_recovers_its_parameters():
+    sizes = [1e3, 1e4, 1e5, 1e6, 1e7]
+    fitted = fit(sizes, [3e-5 + s * 2e-10 for s in sizes])
+    assert fitted.alpha_s == pytest.approx(3e-5, rel=1e-6) and fitted.bandwidth_bytes_per_s == pytest.approx(5e9)
+    assert fitted.r2 == pytest.approx(1.0)
+
+
+def test_compare_loops_reports_ratios():
+    from labsrc.bench_compare import compare_loops
+    options = argparse.Namespace(model="tiny_cnn", batch_size=8, image_size=8, steps=2)
+    result = compare_loops(options, rounds=2)
+    assert set(result["seconds_best_round"]) == {"bare loop", "course loop", "course loop + DDP (world size 1)"}
+    assert result["course_over_bare"] > 0 and result["ddp_world1_over_no_ddp"] > 0
