@@ -20,24 +20,49 @@ def layered_model(layers: int = 6, width: int = 128, classes: int = 10, seed: in
 
 @dataclass
 class CommCounter:
-    """State of a counting communication hook: all-reduce calls and bytes handed to them."""
+    """State of a counting communication hook: all-reduce calls, bytes sent, dtypes, DDP's bucket storages."""
 
     calls: int = 0
     bytes: int = 0
     dtypes: set = field(default_factory=set)
+    bucket_storages: dict = field(default_factory=dict)  # data_ptr -> bytes of each bucket DDP handed over
 
     def reset(self) -> None:
         self.calls, self.bytes = 0, 0
 
 
-def counting_hook(inner=default_hooks.allreduce_hook):
-    """A DDP comm hook that counts each bucket's all-reduce, then runs `inner` (plain all-reduce by default)."""
+def counting_hook(dtype: torch.dtype | None = None):
+    """A DDP comm hook that all-reduces each bucket (cast to `dtype` if given) and counts what it sent.
+
+    Does what torch's allreduce_hook / fp16_compress_hook / bf16_compress_hook do: divide by the world
+    size, all-reduce asynchronously, and (compressed) copy the result back into the fp32 bucket.
+    The bytes counted are those of the tensor actually handed to all_reduce.
+    """
     def hook(counter, bucket):  # no annotations: DDP checks them, and this module's are strings
-        buffer = bucket.buffer()
+        buffer = bucket.buffer()  # (bucket elements,) flat gradients of this bucket
+        counter.bucket_storages[buffer.untyped_storage().data_ptr()] = buffer.untyped_storage().nbytes()
+        sent = buffer if dtype is None else buffer.to(dtype)
+        sent.div_(dist.get_world_size())
         counter.calls += 1
-        counter.bytes += buffer.numel() * (2 if inner is not default_hooks.allreduce_hook else buffer.element_size())
-        return inner(None, bucket)
+        counter.bytes += sent.numel() * sent.element_size()
+        counter.dtypes.add(str(sent.dtype).removeprefix("torch."))
+        future = dist.all_reduce(sent, async_op=True).get_future()
+        if dtype is None:
+            return future.then(lambda done: done.value()[0])
+        return future.then(lambda done: buffer.copy_(done.value()[0]))
     return hook
+
+
+def torch_ddp_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
+    """(first bucket cap, cap) in bytes that torch DDP rebuilds its buckets with (torch 2.11-2.14).
+
+    Left unset, the cap is 25 MiB and the first bucket only 1 MiB (dist._DEFAULT_FIRST_BUCKET_BYTES), so
+    the last layers' all-reduce starts early; an explicit bucket_cap_mb applies to every bucket.
+    """
+    if bucket_cap_mb is None:
+        return dist._DEFAULT_FIRST_BUCKET_BYTES, 25 * 2**20
+    cap = int(bucket_cap_mb * 2**20)
+    return cap, cap
 
 
 def one_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -75,75 +100,98 @@ def unused_parameter_outcomes(images: torch.Tensor, labels: torch.Tensor) -> dic
     return outcomes
 
 
-def gradient_storages(model: nn.Module) -> dict:
-    """How gradients are stored: distinct storages behind all .grad tensors and their bytes."""
-    storages = {}
-    for parameter in model.parameters():
-        if parameter.grad is not None:
-            storage = parameter.grad.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    gradient_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    return {"distinct_storages": len(storages), "storage_bytes": sum(storages.values()),
-            "gradient_bytes": gradient_bytes}
+def gradient_storages(model: nn.Module, counter: CommCounter) -> dict:
+    """Where gradients live: distinct storages behind the .grad tensors and DDP's buckets, and their bytes."""
+    grads = {p.grad.untyped_storage().data_ptr(): p.grad.untyped_storage().nbytes()
+             for p in model.parameters() if p.grad is not None}
+    everything = {**counter.bucket_storages, **grads}
+    return {"grad_storages": len(grads), "bucket_storages": len(counter.bucket_storages),
+            "grads_inside_buckets": set(grads) <= set(counter.bucket_storages),
+            "distinct_storages": len(everything), "storage_bytes": sum(everything.values()),
+            "gradient_bytes": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
+                                  if p.grad is not None)}
 
 
 def bucket_view_comparison(make_model, images, labels, bucket_cap_mb: float) -> dict:
-    """gradient_as_bucket_view off and on: where .grad lives, and the bytes that one copy of it costs.
+    """gradient_as_bucket_view off and on: the bytes of every distinct gradient storage, measured.
 
     Off: DDP's buckets hold a copy of every gradient, so gradients are stored twice.
-    On: each .grad is a view into its bucket: one copy, saving gradient_bytes.
+    On: each .grad is a view into its bucket: one copy. bytes_saved is the measured difference.
     """
     results = {}
     for as_view in (False, True):
+        if images.is_cuda:
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
         model = DDP(make_model(), bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=as_view)
+        counter = CommCounter()
+        model.register_comm_hook(counter, counting_hook())
         for _ in range(2):  # the second step runs with the buckets DDP rebuilt after the first
+            counter.bucket_storages.clear()
             one_step(model, images, labels)
-        results[f"view={as_view}"] = gradient_storages(model)
-        if torch.cuda.is_available() and images.is_cuda:
-            results[f"view={as_view}"]["cuda_allocated_bytes"] = torch.cuda.memory_allocated()
-    results["bytes_saved"] = results["view=False"]["gradient_bytes"]
+        results[f"view={as_view}"] = gradient_storages(model, counter)
+        if images.is_cuda:  # on a GPU the allocator's own count says the same
+            results[f"view={as_view}"]["cuda_allocated_bytes"] = torch.cuda.memory_allocated() - before
+        del model
+    results["bytes_saved"] = results["view=False"]["storage_bytes"] - results["view=True"]["storage_bytes"]
     return results
 
 
 def compression_comparison(make_model, images, labels) -> dict:
-    """Plain fp32 all-reduce vs fp16/bf16 compression hooks: bytes sent per step and gradient error."""
-    reference_model = DDP(make_model())
-    counter = CommCounter()
-    reference_model.register_comm_hook(counter, counting_hook())
-    one_step(reference_model, images, labels)
-    reference = [p.grad.clone() for p in reference_model.parameters()]
-    rows = {"fp32 all-reduce": {"bytes": counter.bytes, "max_error": 0.0, "ok": True}}
-    for name, inner in [("fp16 compression", default_hooks.fp16_compress_hook),
-                        ("bf16 compression", default_hooks.bf16_compress_hook)]:
-        model = DDP(make_model())
+    """fp32 all-reduce vs fp16/bf16 compression: bytes sent per step (counted) and the gradient error.
+
+    The counting hooks compute what torch's fp16_compress_hook and bf16_compress_hook compute;
+    same_as_torch_hook checks that gradient for gradient (gloo all-reduces 16-bit tensors on the CPU too).
+    """
+    rows, reference = {}, None
+    for name, dtype, torch_hook in [("fp32 all-reduce", None, default_hooks.allreduce_hook),
+                                    ("fp16 compression", torch.float16, default_hooks.fp16_compress_hook),
+                                    ("bf16 compression", torch.bfloat16, default_hooks.bf16_compress_hook)]:
+        model, theirs = DDP(make_model()), DDP(make_model())
         counter = CommCounter()
-        model.register_comm_hook(counter, counting_hook(inner))
-        try:
-            one_step(model, images, labels)
-            error = max((p.grad - r).abs().max().item() for p, r in zip(model.parameters(), reference))
-            rows[name] = {"bytes": counter.bytes, "max_error": error, "ok": True}
-        except RuntimeError as failure:
-            rows[name] = {"bytes": None, "max_error": None, "ok": False, "reason": str(failure).splitlines()[0]}
+        model.register_comm_hook(counter, counting_hook(dtype))
+        theirs.register_comm_hook(None, torch_hook)
+        one_step(model, images, labels)
+        one_step(theirs, images, labels)
+        grads = [p.grad.clone() for p in model.parameters()]
+        reference = reference or grads
+        rows[name] = {"bytes": counter.bytes, "calls": counter.calls, "dtypes": sorted(counter.dtypes),
+                      "max_error": max((g - r).abs().max().item() for g, r in zip(grads, reference)),
+                      "same_as_torch_hook": all(torch.equal(g, p.grad) for g, p in zip(grads, theirs.parameters()))}
     return rows
 
 
+def span_kind(name: str) -> str | None:
+    """Which lane a profiler event belongs to: a backward op, an all-reduce launched, an all-reduce running."""
+    if name.startswith("autograd::engine::evaluate_function"):
+        return "backward op"
+    if name.startswith("c10d::allreduce"):
+        return "all-reduce launched"
+    if "allreduce" in name.lower().replace("_", ""):  # gloo:all_reduce, nccl:all_reduce, NCCL kernels
+        return "all-reduce running"
+    return None
+
+
 def profiled_step(model: DDP, images, labels, trace_path: str) -> list[dict]:
-    """Profile one DDP step, keep the trace file, and return the spans of backward ops and all-reduces."""
+    """Profile one DDP step, keep the Chrome trace (Perfetto, TensorBoard), return its backward and all-reduce spans.
+
+    Spans are {"name": lane, "op": profiler name, "start": ms, "end": ms}, times from the first span.
+    """
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if images.is_cuda else [])
     with profile(activities=activities) as profiler:
         one_step(model, images, labels)
+        if images.is_cuda:
+            torch.cuda.synchronize()
     profiler.export_chrome_trace(trace_path)
     spans = []
     for event in profiler.events():
-        name = event.name
-        kind = ("all_reduce" if "allreduce" in name.lower().replace("_", "") else
-                "backward" if name.startswith("autograd::engine::evaluate_function") else None)
+        kind = span_kind(event.name)
         if kind:
-            start = event.time_range.start / 1000.0  # microseconds -> milliseconds
-            spans.append({"name": kind, "op": name, "start": start, "end": event.time_range.end / 1000.0})
+            spans.append({"name": kind, "op": event.name, "start": event.time_range.start / 1000.0,
+                          "end": event.time_range.end / 1000.0})  # microseconds -> milliseconds
     origin = min((s["start"] for s in spans), default=0.0)
     for span in spans:
         span["start"] -= origin
         span["end"] -= origin
-    return spans
+    return sorted(spans, key=lambda span: span["start"])

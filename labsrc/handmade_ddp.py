@@ -35,17 +35,19 @@ class AllReduceAfterBackward(nn.Module):
                 self.allreduce_calls += 1
 
 
-def assign_buckets(parameters: list[nn.Parameter], cap_bytes: int) -> list[list[int]]:
-    """Parameter indices grouped into buckets that close as soon as they reach cap_bytes.
+def assign_buckets(parameters: list[nn.Parameter], cap_bytes: int, first_cap_bytes: int | None = None) -> list[list[int]]:
+    """Parameter indices grouped into buckets that close as soon as they reach their cap in bytes.
 
     Reverse order, as DDP does: backward produces the last layer's gradients first, so the first bucket
-    fills first and its all-reduce can start while backward is still running.
+    fills first and its all-reduce can start while backward is still running. first_cap_bytes (default:
+    cap_bytes) limits the first bucket only; torch DDP uses 1 MiB there when bucket_cap_mb is left unset.
     """
     buckets, current, size = [], [], 0
     for index in reversed(range(len(parameters))):
         current.append(index)
         size += parameters[index].numel() * parameters[index].element_size()
-        if size >= cap_bytes:  # DDP's rule: a bucket closes once it reaches the cap
+        limit = cap_bytes if buckets or first_cap_bytes is None else first_cap_bytes
+        if size >= limit:  # DDP's rule: a bucket closes once it reaches the cap
             buckets.append(current)
             current, size = [], 0
     if current:
@@ -85,6 +87,8 @@ class BucketedDDP(nn.Module):
 
     def _make_hook(self, index: int):
         def hook(parameter: torch.Tensor) -> None:
+            if not any(self.ready):  # the first gradient of a new backward: keep this step's schedule only
+                self.events.clear()
             self.events.append((f"hook {index}", time.perf_counter()))
             bucket = self.bucket_of[index]
             self.ready[bucket] += 1

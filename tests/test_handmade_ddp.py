@@ -1,94 +1,169 @@
-"""The handmade DDPs match torch DDP and single-process training on 2 and 4 gloo ranks; DDP's settings behave."""
+"""The handmade DDPs match torch DDP and single-process training on 2 and 4 gloo ranks; DDP's settings behave as taught."""
+import os
+
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labsrc import ddp_tools, handmade_ddp
+from labsrc.labs import ddp_internals as lab
+from labsrc.plots.ddp_internals import overlap_ms
 from labsrc.testing import run_ranks
 
+WIDTH, BATCH, STEPS = 32, 4, 3
 
-def _train(ctx, version, steps=3, width=32):
-    make = lambda: ddp_tools.layered_model(layers=3, width=width)
-    model = {"torch": lambda: DDP(make()), "after_backward": lambda: handmade_ddp.AllReduceAfterBackward(make()),
-             "buckets": lambda: handmade_ddp.BucketedDDP(make(), bucket_cap_mb=0.005)}[version]()
+
+def _make(version: str):
+    model = ddp_tools.layered_model(layers=3, width=WIDTH)
+    if version == "torch":
+        return DDP(model)
+    if version == "after_backward":
+        return handmade_ddp.AllReduceAfterBackward(model)
+    return handmade_ddp.BucketedDDP(model, bucket_cap_mb=0.005)  # 5 KiB: several buckets
+
+
+def _train_all(ctx):
+    """Each version trained STEPS SGD steps on this rank's batches: ({version: (grads per step, params)})."""
+    trained = {}
+    for version in ("torch", "after_backward", "buckets"):
+        model = _make(version)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        gradients = []
+        for step in range(STEPS):
+            ddp_tools.one_step(model, *lab.rank_batch(ctx.rank, BATCH, WIDTH, step))
+            if version == "after_backward":
+                model.sync_gradients()
+            elif version == "buckets":
+                model.finish_gradient_sync()
+            gradients.append([p.grad.clone() for p in model.parameters()])
+            optimizer.step()
+        trained[version] = (gradients, [p.detach().clone() for p in model.parameters()])
+    return trained
+
+
+def _single_process(world_size: int):
+    """One process, one model, every rank's batch at once: (grads per step, params)."""
+    model = ddp_tools.layered_model(layers=3, width=WIDTH)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     gradients = []
-    for step in range(steps):
-        generator = torch.Generator().manual_seed(100 * step + ctx.rank)
-        images, labels = torch.randn(4, width, generator=generator), torch.randint(10, (4,), generator=generator)
-        ddp_tools.one_step(model, images, labels)
-        if version == "after_backward":
-            model.sync_gradients()
-        elif version == "buckets":
-            model.finish_gradient_sync()
+    for step in range(STEPS):
+        batches = [lab.rank_batch(rank, BATCH, WIDTH, step) for rank in range(world_size)]
+        ddp_tools.one_step(model, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
         gradients.append([p.grad.clone() for p in model.parameters()])
         optimizer.step()
     return gradients, [p.detach().clone() for p in model.parameters()]
 
 
-def _single(world_size, steps=3, width=32):
-    model = ddp_tools.layered_model(layers=3, width=width)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(steps):
-        batches = []
-        for rank in range(world_size):
-            generator = torch.Generator().manual_seed(100 * step + rank)
-            batches.append((torch.randn(4, width, generator=generator), torch.randint(10, (4,), generator=generator)))
-        ddp_tools.one_step(model, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
-        optimizer.step()
-    return [p.detach().clone() for p in model.parameters()]
-
-
 @pytest.mark.parametrize("world_size", [2, 4])
-@pytest.mark.parametrize("version", ["after_backward", "buckets"])
-def test_handmade_ddp_matches_torch_ddp_and_one_process(world_size, version):
-    theirs = run_ranks(_train, world_size, args=("torch",))
-    mine = run_ranks(_train, world_size, args=(version,))
-    single = _single(world_size)
-    for (torch_grads, torch_params), (my_grads, my_params) in zip(theirs, mine):
-        for step_theirs, step_mine in zip(torch_grads, my_grads):
-            for a, b in zip(step_theirs, step_mine):
-                torch.testing.assert_close(b, a)
-        for a, b, c in zip(torch_params, my_params, single):
-            torch.testing.assert_close(b, a)
-            torch.testing.assert_close(b, c, rtol=1e-5, atol=1e-6)
+def test_handmade_ddp_matches_torch_ddp_and_one_process(world_size):
+    single_grads, single_params = _single_process(world_size)
+    for trained in run_ranks(_train_all, world_size):
+        torch_grads, torch_params = trained["torch"]
+        for version in ("after_backward", "buckets"):
+            grads, params = trained[version]
+            for step in range(STEPS):
+                for mine, theirs, alone in zip(grads[step], torch_grads[step], single_grads[step]):
+                    torch.testing.assert_close(mine, theirs)
+                    torch.testing.assert_close(mine, alone, rtol=1e-5, atol=1e-6)
+            for mine, theirs, alone in zip(params, torch_params, single_params):
+                torch.testing.assert_close(mine, theirs)
+                torch.testing.assert_close(mine, alone, rtol=1e-5, atol=1e-6)
 
 
 def test_bucket_rule_closes_at_the_cap_in_reverse_order():
     parameters = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 10, 30, 5)]  # 40, 40, 120, 20 bytes
     assert handmade_ddp.assign_buckets(parameters, 50) == [[3, 2], [1, 0]]
     assert handmade_ddp.assign_buckets(parameters, 10**6) == [[3, 2, 1, 0]]
+    assert handmade_ddp.assign_buckets(parameters, 10**6, first_cap_bytes=10) == [[3], [2, 1, 0]]
 
 
-def _bucketed_counts(ctx):
-    model = handmade_ddp.BucketedDDP(ddp_tools.layered_model(layers=3, width=32), bucket_cap_mb=0.005)
-    ddp_tools.one_step(model, torch.randn(4, 32), torch.randint(10, (4,)))
-    launches = [name for name, _ in model.events if name.startswith("all_reduce")]
-    model.finish_gradient_sync()
-    return len(model.buckets), model.allreduce_calls, launches, [name for name, _ in model.events]
+def _torch_ddp_bucket_counts(ctx, caps_mb, width):
+    parameters = list(ddp_tools.layered_model(layers=3, width=width).parameters())
+    rows = []
+    for cap in caps_mb:
+        model = DDP(ddp_tools.layered_model(layers=3, width=width), **({} if cap is None else {"bucket_cap_mb": cap}))
+        counter = ddp_tools.CommCounter()
+        model.register_comm_hook(counter, ddp_tools.counting_hook())
+        calls = []
+        for step in range(3):
+            counter.reset()
+            ddp_tools.one_step(model, *lab.rank_batch(ctx.rank, 2, width, step))
+            calls.append(counter.calls)
+        first_cap, cap_bytes = ddp_tools.torch_ddp_caps(cap)
+        rows.append((calls, len(handmade_ddp.assign_buckets(parameters, cap_bytes, first_cap)), counter.bytes))
+    return rows, sum(p.numel() * p.element_size() for p in parameters)
+
+
+def test_torch_ddp_all_reduces_per_step_equal_the_predicted_buckets():
+    small, small_bytes = run_ranks(_torch_ddp_bucket_counts, 2, args=((0.001, 0.005, 0.02, 25.0), WIDTH))[0]
+    for calls, predicted, sent in small:
+        assert calls[0] == 1, "before the rebuild DDP uses a single bucket"
+        assert calls[1:] == [predicted, predicted] and sent == small_bytes
+    # Linear(32, 32): 4096 + 128 bytes, head 1280 + 40. 1048 B closes after every weight (4 buckets);
+    # 5242 B after the head and the last layer (2); 20971 B holds all 13992 bytes (1).
+    assert [predicted for _, predicted, _ in small] == [4, 2, 1, 1]
+    # 3 MiB of gradients: left unset, the first bucket is capped at 1 MiB; an explicit 25 MB is one bucket.
+    large, _ = run_ranks(_torch_ddp_bucket_counts, 2, args=((None, 25.0), 512))[0]
+    assert [(calls[-1], predicted) for calls, predicted, _ in large] == [(2, 2), (1, 1)]
+
+
+def _bucketed_schedule(ctx):
+    model = handmade_ddp.BucketedDDP(ddp_tools.layered_model(layers=3, width=WIDTH), bucket_cap_mb=0.005)
+    for step in range(2):
+        ddp_tools.one_step(model, *lab.rank_batch(ctx.rank, BATCH, WIDTH, step))
+        model.finish_gradient_sync()
+    return len(model.buckets), model.allreduce_calls, [name for name, _ in model.events]
 
 
 def test_bucketed_version_launches_all_reduces_before_backward_ends():
-    buckets, calls, launches, events = run_ranks(_bucketed_counts, 2)[0]
-    assert calls == buckets == len(launches) > 1
+    buckets, calls, events = run_ranks(_bucketed_schedule, 2)[0]
+    launches = [name for name in events if name.startswith("all_reduce")]
+    assert calls == 2 * buckets and len(launches) == buckets > 1, "one all-reduce per bucket per step"
     assert events.index("all_reduce 0") < events.index("hook 0"), "the first bucket must go before the last gradient"
 
 
-def _settings(ctx):
-    images, labels = torch.randn(8, 16), torch.randint(10, (8,))
-    make = lambda: ddp_tools.layered_model(layers=2, width=16)
-    return (ddp_tools.unused_parameter_outcomes(images, labels),
-            ddp_tools.bucket_view_comparison(make, images, labels, bucket_cap_mb=25),
-            ddp_tools.compression_comparison(make, images, labels))
+class _Records:
+    """Collects what a lab part writes, by kind."""
+
+    def __init__(self):
+        self.by_kind = {}
+
+    def write(self, kind, **fields):
+        self.by_kind[kind] = fields
 
 
-def test_unused_parameters_bucket_view_and_compression():
-    unused, views, compression = run_ranks(_settings, 2)[0]
+def _lab_parts(ctx, folder):
+    records = _Records()
+    lab.accumulation(ctx, records, width=WIDTH, batch=8, micro_steps=3, bucket_cap_mb=0.005)
+    lab.settings(ctx, records, width=WIDTH, batch=8)
+    lab.overlap(ctx, records, width=WIDTH, batch=8, run_dir=folder, bucket_cap_mb=0.01)
+    return records.by_kind
+
+
+def test_no_sync_unused_parameters_bucket_view_compression_and_overlap(tmp_path):
+    found = run_ranks(_lab_parts, 2, args=(str(tmp_path),))[0]
+    accumulation = found["no_sync"]
+    buckets = accumulation["buckets_per_step"]
+    assert buckets > 1 and accumulation["calls_per_micro_step"] == [0, 0, buckets]
+    assert accumulation["calls_with_forward_outside_no_sync"] == [buckets] * 3
+    assert accumulation["vs_large_batch"] < 1e-6
+    unused = found["unused_parameters"]
     assert unused["default"].startswith("RuntimeError: Expected to have finished reduction")
     assert unused["find_unused_parameters=True"] == "ok" and unused["static_graph=True"] == "ok"
-    assert views["view=True"]["distinct_storages"] < views["view=False"]["distinct_storages"]
+    views = found["bucket_view"]
+    assert views["view=True"]["grads_inside_buckets"] and not views["view=False"]["grads_inside_buckets"]
     assert views["bytes_saved"] == views["view=False"]["gradient_bytes"] > 0
-    for name in ("fp16 compression", "bf16 compression"):
-        if compression[name]["ok"]:
-            assert compression[name]["bytes"] * 2 == compression["fp32 all-reduce"]["bytes"]
-            assert 0 < compression[name]["max_error"] < 1e-2
+    compression = found["compression"]
+    fp32 = compression["fp32 all-reduce"]
+    for name, dtype in (("fp16 compression", "float16"), ("bf16 compression", "bfloat16")):
+        row = compression[name]
+        assert row["same_as_torch_hook"] and row["dtypes"] == [dtype]
+        assert row["bytes"] * 2 == fp32["bytes"] and row["calls"] == fp32["calls"]
+        assert 0 < row["max_error"] < 1e-2
+    spans = found["profile"]["spans"]
+    assert os.path.getsize(found["profile"]["trace"]) > 0
+    assert {"backward op", "all-reduce launched", "all-reduce running"} <= {s["name"] for s in spans}
+    timeline = overlap_ms(spans)
+    assert timeline["launched"] > 1 and timeline["launched_during_backward"] == timeline["launched"]
+    events = [name for name, _ in found["handmade_schedule"]["events"]]
+    assert found["handmade_schedule"]["buckets"] > 1 and events.index("all_reduce 0") < events.index("hook 0")

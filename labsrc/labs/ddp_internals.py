@@ -7,24 +7,30 @@ from __future__ import annotations
 import copy
 import os
 import statistics
-import time
 
 import torch
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import ddp_tools, handmade_ddp, sync
-from labsrc.labs.common import base_parser, run_lab
+from labsrc import ddp_tools, handmade_ddp, metrics, sync
+from labsrc.labs.common import base_parser, resolve_profile, run_lab
+
+PARTS = ("equivalence", "buckets", "no_sync", "settings", "overlap")
 
 
-def rank_batch(ctx, size: int, width: int, step: int = 0):
-    """This rank's (size, width) inputs and (size,) labels for a step; different on every rank."""
-    generator = torch.Generator().manual_seed(1000 * step + ctx.rank)
-    return torch.randn(size, width, generator=generator).to(ctx.device), \
-        torch.randint(10, (size,), generator=generator).to(ctx.device)
+def rank_batch(rank: int, size: int, width: int, step: int = 0, device="cpu"):
+    """Rank `rank`'s (size, width) inputs and (size,) labels for a step; different on every rank, same in every process."""
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return (torch.randn(size, width, generator=generator).to(device),
+            torch.randint(10, (size,), generator=generator).to(device))
 
 
-def equivalence(ctx, records, width: int, steps: int = 3) -> None:
+def layer_width(profile) -> int:
+    """Width of the layered model's Linear layers: 8 features per image row, so gradients grow with the profile."""
+    return 8 * profile.image_size
+
+
+def equivalence(ctx, records, width: int, batch: int, steps: int = 3) -> None:
     """Handmade (a) and (b), torch DDP and one process on the union of the batches, after `steps` SGD steps."""
     make = lambda: ddp_tools.layered_model(width=width).to(ctx.device)
     models = {"torch DDP": DDP(make()), "handmade: all-reduce after backward": handmade_ddp.AllReduceAfterBackward(make()),
@@ -32,7 +38,7 @@ def equivalence(ctx, records, width: int, steps: int = 3) -> None:
     single = make()
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=0.1) for name, m in {**models, "single": single}.items()}
     for step in range(steps):
-        images, labels = rank_batch(ctx, 16, width, step)
+        images, labels = rank_batch(ctx.rank, batch, width, step, ctx.device)
         for name, model in models.items():
             ddp_tools.one_step(model, images, labels)
             if isinstance(model, handmade_ddp.AllReduceAfterBackward):
@@ -40,37 +46,43 @@ def equivalence(ctx, records, width: int, steps: int = 3) -> None:
             elif isinstance(model, handmade_ddp.BucketedDDP):
                 model.finish_gradient_sync()
             optimizers[name].step()
-        everyone = [rank_batch(ctx.__class__(r, r, ctx.world_size, ctx.device, ""), 16, width, step)
-                    for r in range(ctx.world_size)]
+        everyone = [rank_batch(rank, batch, width, step, ctx.device) for rank in range(ctx.world_size)]
         ddp_tools.one_step(single, torch.cat([b[0] for b in everyone]), torch.cat([b[1] for b in everyone]))
         optimizers["single"].step()
     reference = dict(single.named_parameters())
+    torch_ddp = {k.removeprefix("module."): p for k, p in models["torch DDP"].named_parameters()}
     for name, model in models.items():
         mine = {k.removeprefix("module."): p for k, p in model.named_parameters()}
-        records.write("equivalence", version=name, vs_single_process=sync.largest_gap(mine, reference),
-                      vs_torch_ddp=sync.largest_gap(mine, {k.removeprefix("module."): p for k, p
-                                                           in models["torch DDP"].named_parameters()}),
-                      allreduce_calls=getattr(model, "allreduce_calls", None))
+        calls = getattr(model, "allreduce_calls", None)
+        records.write("equivalence", version=name, steps=steps,
+                      params_vs_single_process=sync.largest_gap(mine, reference),
+                      params_vs_torch_ddp=sync.largest_gap(mine, torch_ddp),
+                      grads_vs_single_process=sync.largest_gap(sync.gradients(model), sync.gradients(single)),
+                      grads_vs_torch_ddp=sync.largest_gap(sync.gradients(model), sync.gradients(models["torch DDP"])),
+                      allreduce_calls_per_step=None if calls is None else calls // steps,
+                      parameters=len(mine), buckets=len(getattr(model, "buckets", [])) or None)
 
 
-def bucket_sweep(ctx, records, width: int, caps_mb: list[float], steps: int = 4) -> None:
-    """torch DDP's all-reduce calls per step and step time for each bucket_cap_mb, beside the handmade buckets."""
+def bucket_sweep(ctx, records, width: int, batch: int, caps_mb: list[float], repeats: int) -> None:
+    """torch DDP's all-reduce calls per step and step time for each bucket_cap_mb, beside the buckets predicted."""
+    parameters = list(ddp_tools.layered_model(width=width).parameters())
     for cap in caps_mb:
         model = DDP(ddp_tools.layered_model(width=width).to(ctx.device), bucket_cap_mb=cap)
         counter = ddp_tools.CommCounter()
         model.register_comm_hook(counter, ddp_tools.counting_hook())
         seconds, calls = [], []
-        for step in range(steps + 1):  # step 0: DDP rebuilds its buckets in gradient-ready order after it
-            images, labels = rank_batch(ctx, 32, width, step)
+        for step in range(repeats + 1):  # step 0: one bucket, then DDP rebuilds them in gradient-ready order
+            images, labels = rank_batch(ctx.rank, batch, width, step, ctx.device)
             counter.reset()
-            start = time.perf_counter()
-            ddp_tools.one_step(model, images, labels)
-            seconds.append(time.perf_counter() - start)
+            with metrics.timed(ctx.device) as elapsed:
+                ddp_tools.one_step(model, images, labels)
+            seconds.append(elapsed["s"])
             calls.append(counter.calls)
-        parameters = list(ddp_tools.layered_model(width=width).parameters())
-        records.write("buckets", cap_mb=cap, allreduce_calls=calls[-1], calls_first_step=calls[0],
+        first_cap, cap_bytes = ddp_tools.torch_ddp_caps(cap)
+        records.write("buckets", cap_mb=cap, allreduce_calls=calls[-1], calls_per_step=calls,
                       step_s=statistics.median(seconds[1:]), bytes_per_step=counter.bytes,
-                      handmade_buckets=len(handmade_ddp.assign_buckets(parameters, int(cap * 2**20))))
+                      gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
+                      predicted_buckets=len(handmade_ddp.assign_buckets(parameters, cap_bytes, first_cap)))
 
 
 def accumulate(model, batches, counter, forward_inside: bool = True) -> list[int]:
@@ -94,12 +106,13 @@ def accumulate(model, batches, counter, forward_inside: bool = True) -> list[int
     return calls
 
 
-def accumulation(ctx, records, width: int, micro_steps: int) -> None:
+def accumulation(ctx, records, width: int, batch: int, micro_steps: int, bucket_cap_mb: float = 0.1) -> None:
     """k micro-batches with no_sync on the first k-1: all-reduces counted, gradient vs one large batch."""
-    model = DDP(ddp_tools.layered_model(width=width).to(ctx.device))
+    model = DDP(ddp_tools.layered_model(width=width).to(ctx.device), bucket_cap_mb=bucket_cap_mb)
     counter = ddp_tools.CommCounter()
     model.register_comm_hook(counter, ddp_tools.counting_hook())
-    batches = [rank_batch(ctx, 8, width, step) for step in range(micro_steps)]
+    batches = [rank_batch(ctx.rank, max(1, batch // micro_steps), width, step, ctx.device)
+               for step in range(micro_steps)]
     ddp_tools.one_step(model, *batches[0])  # let DDP rebuild its buckets first
     calls_wrong = accumulate(model, batches, counter, forward_inside=False)
     calls = accumulate(model, batches, counter, forward_inside=True)
@@ -111,61 +124,74 @@ def accumulation(ctx, records, width: int, micro_steps: int) -> None:
                   vs_large_batch=sync.largest_gap(accumulated, sync.gradients(large)))
 
 
-def settings(ctx, records, width: int) -> None:
-    """Unused parameters, gradient_as_bucket_view, compression hooks."""
-    images, labels = rank_batch(ctx, 16, 16)
+def settings(ctx, records, width: int, batch: int) -> None:
+    """Unused parameters (and static_graph), gradient_as_bucket_view, compression hooks."""
+    images, labels = rank_batch(ctx.rank, batch, 16, 0, ctx.device)
     records.write("unused_parameters", **ddp_tools.unused_parameter_outcomes(images, labels))
-    images, labels = rank_batch(ctx, 32, width)
+    images, labels = rank_batch(ctx.rank, batch, width, 0, ctx.device)
     make = lambda: ddp_tools.layered_model(width=width).to(ctx.device)
     records.write("bucket_view", **ddp_tools.bucket_view_comparison(make, images, labels, bucket_cap_mb=0.1))
     records.write("compression", **ddp_tools.compression_comparison(make, images, labels))
 
 
-def overlap(ctx, records, width: int, run_dir: str) -> None:
-    """A profiled DDP step (small buckets so several all-reduces run during backward) and the handmade schedule."""
-    model = DDP(ddp_tools.layered_model(layers=8, width=2 * width).to(ctx.device), bucket_cap_mb=0.25)
-    images, labels = rank_batch(ctx, 64, 2 * width)
+def overlap(ctx, records, width: int, batch: int, run_dir: str, bucket_cap_mb: float = 0.25) -> None:
+    """A profiled DDP step (small buckets, so several all-reduces run during backward) and the handmade schedule."""
+    make = lambda: ddp_tools.layered_model(layers=8, width=2 * width).to(ctx.device)
+    model = DDP(make(), bucket_cap_mb=bucket_cap_mb)
+    images, labels = rank_batch(ctx.rank, batch, 2 * width, 0, ctx.device)
     ddp_tools.one_step(model, images, labels)  # warm-up and bucket rebuild
-    trace = os.path.join(run_dir, f"trace_rank{ctx.rank}.json")
-    spans = ddp_tools.profiled_step(model, images, labels, trace)
-    records.write("profile", trace=trace, spans=spans)
-    handmade = handmade_ddp.BucketedDDP(ddp_tools.layered_model(layers=8, width=2 * width).to(ctx.device), 0.25)
-    ddp_tools.one_step(handmade, images, labels)
-    handmade.finish_gradient_sync()
+    trace = os.path.join(run_dir, f"rank{ctx.rank}.pt.trace.json")
+    records.write("profile", trace=trace, spans=ddp_tools.profiled_step(model, images, labels, trace))
+    handmade = handmade_ddp.BucketedDDP(make(), bucket_cap_mb=bucket_cap_mb)
+    for _ in range(2):  # the second step is recorded: nothing left to warm up
+        ddp_tools.one_step(handmade, images, labels)
+        handmade.finish_gradient_sync()
     origin = handmade.events[0][1]
-    records.write("handmade_schedule", events=[(name, 1000 * (t - origin)) for name, t in handmade.events])
+    records.write("handmade_schedule", buckets=len(handmade.buckets),
+                  events=[(name, 1000 * (t - origin)) for name, t in handmade.events])
 
 
 def ddp_internals(ctx, records, args) -> dict:
-    steps = ["equivalence", "buckets", "no_sync", "settings", "overlap"]
-    equivalence(ctx, records, args.width)
-    records.progress(1, len(steps))
-    bucket_sweep(ctx, records, args.width, args.caps_mb)
-    records.progress(2, len(steps))
-    accumulation(ctx, records, args.width, args.micro_steps)
-    records.progress(3, len(steps))
-    settings(ctx, records, args.width)
-    records.progress(4, len(steps))
-    overlap(ctx, records, args.width, str(records.run_dir))
-    records.progress(5, len(steps))
-    return {"width": args.width, "caps_mb": args.caps_mb, "micro_steps": args.micro_steps}
+    profile = resolve_profile(args)
+    width = args.width or layer_width(profile)
+    batch = max(1, profile.global_batch // ctx.world_size)  # samples per rank per step
+    parts = {
+        "equivalence": lambda: equivalence(ctx, records, width, batch),
+        "buckets": lambda: bucket_sweep(ctx, records, width, batch, args.caps_mb, profile.repeats),
+        "no_sync": lambda: accumulation(ctx, records, width, batch, args.micro_steps),
+        "settings": lambda: settings(ctx, records, width, batch),
+        "overlap": lambda: overlap(ctx, records, width, batch, str(records.run_dir)),
+    }
+    for done, part in enumerate(args.parts, start=1):
+        parts[part]()
+        records.progress(done, len(args.parts))
+    return {"profile": profile.name, "width": width, "batch_per_rank": batch, "caps_mb": args.caps_mb,
+            "micro_steps": args.micro_steps, "parts": args.parts}
 
 
-def launch_ddp_internals(nproc: int, width: int = 128, caps_mb: tuple = (0.05, 0.1, 0.25, 1.0, 25.0),
+def launch_ddp_internals(nproc: int, caps_mb=(0.05, 0.1, 0.25, 1.0, 25.0), parts=PARTS, width: int = 0,
                          timeout: float = 300.0):
-    """Run this lab from a notebook (the default cell and the controls both call this)."""
+    """Run this lab from a notebook (the default cell and the controls both call this).
+
+    caps_mb: bucket_cap_mb values, or a string of them ("0.5 2 8"); parts: which experiments to run;
+    width: the layered model's width (0: from the profile).
+    """
     from labsrc import launch
     if isinstance(caps_mb, str):
         caps_mb = tuple(float(c) for c in caps_mb.replace(",", " ").split())
-    return launch.run("ddp_internals", nproc=nproc, args=["--width", width, "--caps-mb", *caps_mb], timeout=timeout)
+    if isinstance(parts, str):
+        parts = tuple(parts.replace(",", " ").split())
+    return launch.run("ddp_internals", nproc=nproc, timeout=timeout,
+                      args=["--width", width, "--caps-mb", *caps_mb, "--parts", *parts])
 
 
 def main(argv=None):
     parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=128, help="width of the layered model's Linear layers")
+    parser.add_argument("--width", type=int, default=0, help="Linear width of the layered model (0: 8 x image_size)")
     parser.add_argument("--caps-mb", type=float, nargs="+", default=[0.05, 0.1, 0.25, 1.0, 25.0],
                         help="bucket_cap_mb values to sweep")
     parser.add_argument("--micro-steps", type=int, default=4, help="micro-batches per optimizer step with no_sync")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="experiments to run")
     return run_lab("ddp_internals", ddp_internals, parser.parse_args(argv))
 
 

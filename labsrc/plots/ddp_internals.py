@@ -10,7 +10,7 @@ def bucket_sweep(result, ax=None):
     ax = new_axes("torch DDP: bucket_cap_mb swept", "bucket_cap_mb", "all-reduce calls per step", ax)
     labels = [f"{r['cap_mb']:g}" for r in rows]
     ax.bar(labels, [r["allreduce_calls"] for r in rows], color="#c2410c", label="all-reduce calls (comm hook count)")
-    ax.plot(labels, [r["handmade_buckets"] for r in rows], "k^", label="buckets by the handmade rule")
+    ax.plot(labels, [r["predicted_buckets"] for r in rows], "k^", label="buckets predicted from parameter sizes")
     twin = ax.twinx()
     twin.plot(labels, [1000 * r["step_s"] for r in rows], "o-", color="#2563eb", label="step time")
     twin.set_ylabel("step time (ms, median)")
@@ -20,18 +20,22 @@ def bucket_sweep(result, ax=None):
 
 
 def profiler_timeline(result, rank: int = 0, ax=None):
-    """The profiled DDP step: backward ops and all-reduces on one timeline (ms from the first span)."""
+    """The profiled DDP step: backward ops, all-reduces launched and running, on one timeline (ms)."""
     spans = result.of_kind("profile", rank=rank)[0]["spans"]
     lanes = [{"lane": s["name"], "name": s["name"], "start": s["start"], "end": max(s["end"], s["start"] + 0.02)}
              for s in spans]
-    return gantt(lanes, f"One DDP step (rank {rank}, profiler): all-reduces start during backward", ax=ax)
+    return gantt(lanes, f"One DDP step (rank {rank}, torch.profiler): all-reduces during backward", ax=ax)
 
 
-def overlap_ms(spans: list[dict]) -> tuple[float, float]:
-    """(first all-reduce start, last backward op end) in ms: overlap when the first is smaller."""
-    first_allreduce = min(s["start"] for s in spans if s["name"] == "all_reduce")
-    backward_end = max(s["end"] for s in spans if s["name"] == "backward")
-    return first_allreduce, backward_end
+def overlap_ms(spans: list[dict]) -> dict:
+    """When backward ends and when all-reduces start and run (ms), and how much communication ran before the end."""
+    backward_end = max(s["end"] for s in spans if s["name"] == "backward op")
+    launched = [s["start"] for s in spans if s["name"] == "all-reduce launched"]
+    running = [s for s in spans if s["name"] == "all-reduce running"]
+    return {"backward_end": backward_end, "first_launch": min(launched),
+            "launched_during_backward": sum(t < backward_end for t in launched), "launched": len(launched),
+            "running_ms": sum(s["end"] - s["start"] for s in running),
+            "running_ms_during_backward": sum(max(0.0, min(s["end"], backward_end) - s["start"]) for s in running)}
 
 
 def handmade_schedule(result, rank: int = 0, ax=None):
