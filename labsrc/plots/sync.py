@@ -54,12 +54,13 @@ def loss_curves(result, axes=None):
 
 
 def step_breakdown_ms(result) -> dict[str, float]:
-    """Median milliseconds per phase over steps and ranks; all-reduce = DDP backward - no_sync backward."""
+    """Median milliseconds per phase over steps and ranks: backward is the no_sync backward (compute only),
+    all-reduce what DDP's backward takes beyond it."""
     steps = [r for r in result.of_kind("step") if r["variant"] == TIMED_VARIANT]
     steps = [r for r in steps if r["step"] > 0] or steps  # the first step pays for warm-up
     median = lambda key: 1000 * statistics.median(r[key] for r in steps)
-    return {"forward": median("forward_s"), "backward (local compute)": median("local_backward_s"),
-            "backward extra under DDP (all-reduce)": max(0.0, median("backward_s") - median("local_backward_s")),
+    return {"forward": median("forward_s"), "backward": median("local_backward_s"),
+            "all-reduce": max(0.0, median("backward_s") - median("local_backward_s")),
             "optimizer": median("optimizer_s")}
 
 
