@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import statistics
 import time
 
 import torch
@@ -141,7 +142,7 @@ class SlowTransform(Dataset):
 
 
 def time_batches(batches, steps: int, device, compute=None) -> dict:
-    """Mean seconds per step waiting for the batch (and its copy to `device`) and computing on it.
+    """Median seconds per step waiting for the batch (and its copy to `device`) and computing on it.
 
     batches: an iterable of (images (B, C, H, W), labels (B,)) with at least steps + 1 batches.
     compute(images, labels) is the training step (None: data only). The first batch and its step are a
@@ -163,4 +164,6 @@ def time_batches(batches, steps: int, device, compute=None) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         compute_s.append(time.perf_counter() - start)
-    return {"steps": steps, "data_s": sum(data_s) / steps, "compute_s": sum(compute_s) / steps}
+    # Medians: one step stalled by another process on a busy machine does not move them.
+    return {"steps": steps, "data_s": statistics.median(data_s), "compute_s": statistics.median(compute_s),
+            "data_steps_s": data_s, "compute_steps_s": compute_s}

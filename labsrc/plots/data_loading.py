@@ -41,6 +41,10 @@ def step_split(result, rank: int = 0, ax=None):
     for index, row in enumerate(rows):
         bound = "data-bound" if row["data_s"] > row["compute_s"] else "compute-bound"
         ax.text(data_ms[index] + compute_ms[index], index, f" {bound}", va="center", fontsize=8)
+        floor_ms = 1000 * row["batch"] * row["transform_cost_s"] / max(1, row["num_workers"])
+        if floor_ms > 0:  # what the slow transform costs per batch, shared by the workers
+            ax.plot([floor_ms, floor_ms], [index - 0.4, index + 0.4], color="black", linestyle="--")
+    ax.plot([], [], color="black", linestyle="--", label="batch x cost / workers")
     ax.invert_yaxis()
     ax.legend(loc="lower right")
     return ax
