@@ -15,6 +15,7 @@ from labsrc import data, sync
 from labsrc.labs.common import base_parser, resolve_profile, run_lab
 from labsrc.metrics import timed
 from labsrc.models import TinyCNN
+from labsrc.train import set_tf32
 
 # (name, BatchNorm in the model, BatchNorm statistics over the global batch): the training runs compared.
 VARIANTS = (("no BatchNorm", False, False),
@@ -164,6 +165,7 @@ def ddp_sync(ctx, records, args) -> dict:
     if profile.global_batch % ctx.world_size:
         raise ValueError(f"global batch {profile.global_batch} does not split evenly over {ctx.world_size} "
                          f"ranks: choose a multiple of {ctx.world_size}")
+    set_tf32(False)  # plain float32 on GPUs too: the comparisons are about the math, not TF32 rounding
     construction_broadcast(ctx, records, args.seed)
     images, labels = global_batch(profile.global_batch, profile, args.seed)
     gradient_equivalence(ctx, records, images, labels, args.seed)
