@@ -65,11 +65,11 @@ def expected_coverage(dataset_size: int, world_size: int, drop_last: bool) -> tu
     return -(-dataset_size // world_size) * world_size - dataset_size, 0
 
 
-def _uneven_steps(model, optimizer, batches: int, generator: torch.Generator) -> int:
+def _uneven_steps(model, optimizer, batches: int, generator: torch.Generator, device: torch.device) -> int:
     """Run `batches` DDP steps on random (8, 4) inputs; returns the steps completed."""
     steps = 0
     for _ in range(batches):
-        inputs = torch.randn(8, 4, generator=generator)
+        inputs = torch.randn(8, 4, generator=generator).to(device)
         optimizer.zero_grad()
         model(inputs).pow(2).mean().backward()  # backward all-reduces the gradients across ranks
         optimizer.step()
@@ -80,18 +80,46 @@ def _uneven_steps(model, optimizer, batches: int, generator: torch.Generator) ->
 def train_uneven_with_join(ctx, batches_per_rank: list[int], seed: int = 0) -> dict:
     """DDP where rank r has batches_per_rank[r] batches, wrapped in Join so early finishers shadow the rest.
 
-    With Join a finished rank answers the others' gradient all-reduces with zeros until every rank is done
-    (and DDP divides by the ranks that really contributed), so all ranks finish with the same parameters.
+    With Join a finished rank answers the others' gradient all-reduces with zeros until every rank is done,
+    so all ranks finish with the same parameters. DDP still divides the sum by the initial world size
+    (Join's divide_by_initial_world_size=True): `uneven_reference` computes the same weights in one process.
     """
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel as DDP
     torch.manual_seed(seed)
-    model = DDP(torch.nn.Linear(4, 1))
+    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+    model = DDP(torch.nn.Linear(4, 1).to(ctx.device), device_ids=device_ids)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with Join([model]):
         steps = _uneven_steps(model, optimizer, batches_per_rank[ctx.rank],
-                              torch.Generator().manual_seed(seed + ctx.rank))
-    return {"rank": ctx.rank, "steps": steps, "weight": model.module.weight.detach().clone()}
+                              torch.Generator().manual_seed(seed + ctx.rank), ctx.device)
+    return {"rank": ctx.rank, "steps": steps, "weight": model.module.weight.detach().cpu().clone()}
+
+
+def uneven_reference(batches_per_rank: list[int], seed: int = 0, lr: float = 0.1,
+                     divide_by_initial_world_size: bool = True) -> torch.Tensor:
+    """The weight (1, 4) that DDP with Join reaches, computed in one process without any collective.
+
+    Step s averages the gradients of the ranks that still have a batch, the others counting as zeros:
+    sum over active ranks / world size (or / active ranks, with divide_by_initial_world_size=False).
+    Same model seed, inputs and SGD as train_uneven_with_join.
+    """
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 1)
+    generators = [torch.Generator().manual_seed(seed + rank) for rank in range(len(batches_per_rank))]
+    for step in range(max(batches_per_rank)):
+        total = [torch.zeros_like(parameter) for parameter in model.parameters()]
+        active = sum(step < batches for batches in batches_per_rank)
+        divisor = len(batches_per_rank) if divide_by_initial_world_size else active
+        for rank, generator in enumerate(generators):
+            if step < batches_per_rank[rank]:
+                loss = model(torch.randn(8, 4, generator=generator)).pow(2).mean()
+                for accumulated, grad in zip(total, torch.autograd.grad(loss, list(model.parameters()))):
+                    accumulated += grad
+        with torch.no_grad():
+            for parameter, accumulated in zip(model.parameters(), total):
+                parameter -= lr * accumulated / divisor
+    return model.weight.detach().clone()
 
 
 def train_uneven_without_join(ctx, batches_per_rank: list[int], timeout_s: float = 1.5, seed: int = 0) -> dict:
@@ -100,6 +128,7 @@ def train_uneven_without_join(ctx, batches_per_rank: list[int], timeout_s: float
     The rank that runs out of data stops all-reducing; the others' next backward waits for it forever (a
     real job hangs until the process-group timeout, 10 to 30 minutes). The short timeout turns that hang
     into an error here, which is recorded; then every rank meets at a barrier on the default group.
+    The group is gloo with the model on the CPU even under NCCL: an NCCL timeout aborts the whole process.
     """
     from torch.nn.parallel import DistributedDataParallel as DDP
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
@@ -111,7 +140,7 @@ def train_uneven_without_join(ctx, batches_per_rank: list[int], timeout_s: float
     for _ in range(batches_per_rank[ctx.rank]):
         start = time.perf_counter()
         try:
-            steps += _uneven_steps(model, optimizer, 1, generator)
+            steps += _uneven_steps(model, optimizer, 1, generator, torch.device("cpu"))
         except RuntimeError as exc:  # gloo's timeout (DistBackendError is a RuntimeError)
             waited_s = time.perf_counter() - start
             message = str(exc).strip().splitlines()[0].split("] ", 1)[-1]  # drop gloo's source path

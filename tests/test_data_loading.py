@@ -143,6 +143,10 @@ def test_join_lets_uneven_ranks_finish_with_identical_parameters(lab_run):
     assert summary["batches_per_rank"] == [3, 4]
     assert [r["steps"] for r in joined] == summary["batches_per_rank"]
     assert joined[0]["weight"] == joined[1]["weight"]
+    reference = sampling.uneven_reference(summary["batches_per_rank"], seed=0)
+    torch.testing.assert_close(torch.tensor(joined[0]["weight"]), reference.flatten())
+    by_active = sampling.uneven_reference(summary["batches_per_rank"], seed=0, divide_by_initial_world_size=False)
+    assert not torch.allclose(torch.tensor(joined[0]["weight"]), by_active.flatten()), "Join's default divisor"
 
 
 def test_without_join_the_longer_rank_waits_until_the_timeout(lab_run):
