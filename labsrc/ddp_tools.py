@@ -90,7 +90,7 @@ def unused_parameter_outcomes(images: torch.Tensor, labels: torch.Tensor) -> dic
     for name, options in [("default", {}), ("find_unused_parameters=True", {"find_unused_parameters": True}),
                           ("static_graph=True", {"static_graph": True})]:
         torch.manual_seed(0)
-        model = DDP(WithUnusedBranch(images.shape[1]), **options)
+        model = DDP(WithUnusedBranch(images.shape[1]).to(images.device), **options)
         try:
             for _ in range(2):
                 one_step(model, images, labels)
@@ -161,13 +161,19 @@ def compression_comparison(make_model, images, labels) -> dict:
     return rows
 
 
-def span_kind(name: str) -> str | None:
-    """Which lane a profiler event belongs to: a backward op, an all-reduce launched, an all-reduce running."""
+def span_kind(name: str, on_device: bool = False) -> str | None:
+    """Which lane a profiler event belongs to: a backward op, an all-reduce launched, an all-reduce running.
+
+    `c10d::allreduce_` is the launch. gloo's `gloo:all_reduce` runs on gloo's own threads; with NCCL the
+    host-side `nccl:all_reduce` only enqueues (skipped), and the NCCL kernel on the GPU is what runs.
+    """
     if name.startswith("autograd::engine::evaluate_function"):
         return "backward op"
     if name.startswith("c10d::allreduce"):
         return "all-reduce launched"
-    if "allreduce" in name.lower().replace("_", ""):  # gloo:all_reduce, nccl:all_reduce, NCCL kernels
+    if name.startswith("nccl:") and not on_device:
+        return None
+    if "allreduce" in name.lower().replace("_", ""):  # gloo:all_reduce, ncclDevKernel_AllReduce_...
         return "all-reduce running"
     return None
 
@@ -186,7 +192,7 @@ def profiled_step(model: DDP, images, labels, trace_path: str) -> list[dict]:
     profiler.export_chrome_trace(trace_path)
     spans = []
     for event in profiler.events():
-        kind = span_kind(event.name)
+        kind = span_kind(event.name, on_device=event.device_type != torch.autograd.DeviceType.CPU)
         if kind:
             spans.append({"name": kind, "op": event.name, "start": event.time_range.start / 1000.0,
                           "end": event.time_range.end / 1000.0})  # microseconds -> milliseconds

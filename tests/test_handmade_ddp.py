@@ -7,7 +7,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labsrc import ddp_tools, handmade_ddp
 from labsrc.labs import ddp_internals as lab
-from labsrc.plots.ddp_internals import overlap_ms
+from labsrc.plots.ddp_internals import covered_ms, overlap_ms
 from labsrc.testing import run_ranks
 
 WIDTH, BATCH, STEPS = 32, 4, 3
@@ -167,3 +167,9 @@ def test_no_sync_unused_parameters_bucket_view_compression_and_overlap(tmp_path)
     assert timeline["launched"] > 1 and timeline["launched_during_backward"] == timeline["launched"]
     events = [name for name, _ in found["handmade_schedule"]["events"]]
     assert found["handmade_schedule"]["buckets"] > 1 and events.index("all_reduce 0") < events.index("hook 0")
+
+
+def test_covered_time_counts_overlapping_intervals_once():
+    assert covered_ms([(0, 2), (1, 3), (5, 6)]) == 4
+    assert covered_ms([(0, 2), (1, 3), (5, 6)], until=2.5) == 2.5
+    assert covered_ms([]) == 0

@@ -27,15 +27,28 @@ def profiler_timeline(result, rank: int = 0, ax=None):
     return gantt(lanes, f"One DDP step (rank {rank}, torch.profiler): all-reduces during backward", ax=ax)
 
 
+def covered_ms(intervals: list[tuple[float, float]], until: float = float("inf")) -> float:
+    """Length of the union of (start, end) intervals up to `until`: overlapping ones counted once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        start, end = max(start, reach), min(end, until)
+        if end > start:
+            total += end - start
+        reach = max(reach, end)
+    return total
+
+
 def overlap_ms(spans: list[dict]) -> dict:
-    """When backward ends and when all-reduces start and run (ms), and how much communication ran before the end."""
+    """When backward ends, when all-reduces are launched, and how long some all-reduce ran (in all, and during backward).
+
+    gloo runs all-reduces on two threads, so running spans can overlap each other: their union is measured.
+    """
     backward_end = max(s["end"] for s in spans if s["name"] == "backward op")
     launched = [s["start"] for s in spans if s["name"] == "all-reduce launched"]
-    running = [s for s in spans if s["name"] == "all-reduce running"]
+    running = [(s["start"], s["end"]) for s in spans if s["name"] == "all-reduce running"]
     return {"backward_end": backward_end, "first_launch": min(launched),
             "launched_during_backward": sum(t < backward_end for t in launched), "launched": len(launched),
-            "running_ms": sum(s["end"] - s["start"] for s in running),
-            "running_ms_during_backward": sum(max(0.0, min(s["end"], backward_end) - s["start"]) for s in running)}
+            "running_ms": covered_ms(running), "running_ms_during_backward": covered_ms(running, backward_end)}
 
 
 def handmade_schedule(result, rank: int = 0, ax=None):
@@ -48,6 +61,6 @@ def handmade_schedule(result, rank: int = 0, ax=None):
     ax.plot(hooks, [1] * len(hooks), "|", markersize=18, color="#2563eb", label="gradient ready (hook)")
     ax.plot(launches, [0] * len(launches), "v", markersize=10, color="#c2410c", label="bucket all-reduce launched")
     ax.set_yticks([0, 1], ["all-reduce", "backward"])
-    ax.set_ylim(-0.6, 1.6)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.set_ylim(-0.6, 2.1)
+    ax.legend(fontsize=8, loc="upper center", ncol=2)
     return ax
