@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 import torch.distributed as dist
@@ -161,7 +162,6 @@ def dataparallel_step(model: nn.Module, images: torch.Tensor, labels: torch.Tens
     (forward, backward, SGD update) is timed over `repeats` steps after a warm-up. With fewer GPUs
     DataParallel calls the module as it is, once, with the whole batch.
     """
-    import time
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = torch.device("cuda", 0) if gpus else torch.device("cpu")
     model = model.to(device)
@@ -171,10 +171,8 @@ def dataparallel_step(model: nn.Module, images: torch.Tensor, labels: torch.Tens
     parallel = nn.DataParallel(model, device_ids=list(range(gpus)) or None)
     optimizer = torch.optim.SGD(parallel.parameters(), lr=lr)
     images, labels = images.to(device), labels.to(device)
-    seconds = []
-    for step in range(1 + repeats if gpus >= 2 else 1):
-        if step == 1:
-            calls_of_first_step = list(calls)
+    seconds, first_step_calls = [], []
+    for _ in range(1 + repeats if gpus >= 2 else 1):
         if gpus:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -185,8 +183,8 @@ def dataparallel_step(model: nn.Module, images: torch.Tensor, labels: torch.Tens
         if gpus:
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - start)
+        first_step_calls = first_step_calls or list(calls)
     hook.remove()
-    first = calls_of_first_step if gpus >= 2 else calls
-    return {"gpus": gpus, "device_ids": list(parallel.device_ids), "calls": first,
-            "chunks": [call["shape"][0] for call in first], "output_device": str(outputs.device),
-            "replicated": len(first) > 1, "step_s": min(seconds[1:]) if gpus >= 2 else None}
+    return {"gpus": gpus, "device_ids": list(parallel.device_ids), "calls": first_step_calls,
+            "chunks": [call["shape"][0] for call in first_step_calls], "output_device": str(outputs.device),
+            "replicated": len(first_step_calls) > 1, "step_s": min(seconds[1:]) if gpus >= 2 else None}
