@@ -58,10 +58,12 @@ def assign_buckets(parameters: list[nn.Parameter], cap_bytes: int, first_cap_byt
 class BucketedDDP(nn.Module):
     """Version (b): gradients copied into flat buckets and all-reduced asynchronously as each bucket fills.
 
-    A post-accumulate-grad hook on every parameter counts the bucket's ready gradients; the last one to
-    arrive flattens the bucket and starts `all_reduce(async_op=True)`, while backward goes on computing the
-    earlier layers. finish_gradient_sync() (call it before optimizer.step()) waits for every bucket, divides
-    by the world size and copies the averages back into .grad. Every parameter must get a gradient.
+    A post-accumulate-grad hook on every parameter counts the bucket's ready gradients; once a bucket is full
+    it is flattened and `all_reduce(async_op=True)` starts, while backward goes on computing the earlier
+    layers. Buckets are launched in index order, as DDP's reducer does, so every rank issues the same
+    collectives in the same order even if a later bucket happens to fill first. finish_gradient_sync()
+    (call it before optimizer.step()) waits for every bucket, divides by the world size and copies the
+    averages back into .grad. Every parameter must get a gradient.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0):
@@ -80,6 +82,7 @@ class BucketedDDP(nn.Module):
 
     def _reset(self) -> None:
         self.ready = [0] * len(self.buckets)
+        self.next_bucket = 0
         self.pending: list[tuple[int, torch.Tensor, dist.Work]] = []
 
     def forward(self, *inputs):
@@ -92,8 +95,10 @@ class BucketedDDP(nn.Module):
             self.events.append((f"hook {index}", time.perf_counter()))
             bucket = self.bucket_of[index]
             self.ready[bucket] += 1
-            if self.ready[bucket] == len(self.buckets[bucket]):
-                self._launch(bucket)
+            while (self.next_bucket < len(self.buckets)
+                   and self.ready[self.next_bucket] == len(self.buckets[self.next_bucket])):
+                self._launch(self.next_bucket)
+                self.next_bucket += 1
         return hook
 
     def _launch(self, bucket: int) -> None:

@@ -122,6 +122,41 @@ def test_bucketed_version_launches_all_reduces_before_backward_ends():
     assert events.index("all_reduce 0") < events.index("hook 0"), "the first bucket must go before the last gradient"
 
 
+class _UsedBackwards(torch.nn.Module):
+    """Layers used in the reverse of their definition order: the *last* bucket fills first in backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(3))
+
+    def forward(self, inputs):
+        for layer in reversed(self.layers):
+            inputs = torch.relu(layer(inputs))
+        return inputs
+
+
+def _out_of_order(ctx):
+    images, labels = lab.rank_batch(ctx.rank, BATCH, WIDTH)
+    bucketed = handmade_ddp.BucketedDDP(_UsedBackwards(), bucket_cap_mb=0.001)
+    ddp_tools.one_step(bucketed, images, labels)
+    launches = [name for name, _ in bucketed.events if name.startswith("all_reduce")]
+    first_hook = bucketed.events[0][0]
+    bucketed.finish_gradient_sync()
+    plain = handmade_ddp.AllReduceAfterBackward(_UsedBackwards())
+    ddp_tools.one_step(plain, images, labels)
+    plain.sync_gradients()
+    return launches, first_hook, [p.grad for p in bucketed.parameters()], [p.grad for p in plain.parameters()]
+
+
+def test_buckets_are_launched_in_order_even_when_a_later_one_fills_first():
+    launches, first_hook, bucketed, plain = run_ranks(_out_of_order, 2)[0]
+    assert first_hook in ("hook 0", "hook 1"), "the first layer defined is used last, so its gradient comes first"
+    assert launches == ["all_reduce 0", "all_reduce 1", "all_reduce 2"]
+    for mine, reference in zip(bucketed, plain):
+        torch.testing.assert_close(mine, reference)
+
+
 class _Records:
     """Collects what a lab part writes, by kind."""
 

@@ -4,6 +4,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import statistics
@@ -91,7 +92,6 @@ def accumulate(model, batches, counter, forward_inside: bool = True) -> list[int
     DDP decides in forward() whether the coming backward synchronises, so forward must run inside
     no_sync() too; with forward_inside=False only backward is inside, and every micro-step all-reduces.
     """
-    import contextlib
     model.zero_grad(set_to_none=True)
     calls = []
     for index, (images, labels) in enumerate(batches):
