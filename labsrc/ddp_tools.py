@@ -12,7 +12,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def layered_model(layers: int = 6, width: int = 128, classes: int = 10, seed: int = 0) -> nn.Module:
-    """A stack of equal Linear layers: gradients of known sizes, so bucket counts are easy to reason about."""
+    """A stack of equal Linear layers, (N, width) -> (N, classes): gradients of known sizes, easy to put in buckets.
+
+    Each hidden layer holds width * (width + 1) float32 values; the seed makes every process build the same one.
+    """
     torch.manual_seed(seed)
     blocks = [nn.Sequential(nn.Linear(width, width), nn.ReLU()) for _ in range(layers)]
     return nn.Sequential(*blocks, nn.Linear(width, classes))
@@ -66,6 +69,7 @@ def torch_ddp_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
 
 
 def one_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Zero the gradients, forward (N, width) inputs, cross-entropy against (N,) labels, backward; the loss."""
     model.zero_grad(set_to_none=True)
     loss = F.cross_entropy(model(images), labels)
     loss.backward()
@@ -80,7 +84,7 @@ class WithUnusedBranch(nn.Module):
         self.used = nn.Linear(width, 10)
         self.spare = nn.Linear(width, 10)
 
-    def forward(self, inputs):
+    def forward(self, inputs):  # (N, width) -> (N, 10)
         return self.used(inputs)
 
 
