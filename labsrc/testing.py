@@ -45,6 +45,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs:
     Raises RankError with the first failing rank's traceback, or on timeout (every child is killed).
     fn and its values must be picklable only on the way back (fork copies fn in).
     """
+    import torch._dynamo  # noqa: F401  DDP's first construction imports it (~2 s); once here, not in every rank
     context = multiprocessing.get_context("fork")
     results = context.Queue()
     with tempfile.TemporaryDirectory() as folder:
