@@ -1,10 +1,13 @@
 """Collectives shown rank by rank, a ring all-reduce and a naive one written from send/recv, and their timing."""
 from __future__ import annotations
 
+import datetime
 import time
 
 import torch
 import torch.distributed as dist
+
+from labsrc.metrics import synchronize
 
 
 def _single_tensor_collective(new_name: str, old_name: str):
@@ -17,45 +20,95 @@ def all_gather(output: torch.Tensor, piece: torch.Tensor) -> None:
     _single_tensor_collective("all_gather_single", "all_gather_into_tensor")(output, piece)
 
 
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor) -> str:
+    """Sum (n * k,) inputs over ranks, keep slice r of length k on rank r; return which way it ran.
+
+    The backend's own reduce-scatter where it has one (gloo does in torch 2.11-2.14, NCCL always);
+    a backend without it gets all_reduce then this rank's slice: the same result for n times the
+    traffic, and the returned name says so.
+    """
+    try:
+        _single_tensor_collective("reduce_scatter_single", "reduce_scatter_tensor")(output, full)
+        return "reduce_scatter"
+    except (RuntimeError, NotImplementedError) as error:
+        if "support" not in str(error).lower():
+            raise
+    total = full.clone()
+    dist.all_reduce(total)
+    output.copy_(total.view(dist.get_world_size(), -1)[dist.get_rank()])
+    return "all_reduce + slice (no reduce_scatter on this backend)"
+
+
 def neighbours(rank: int, world_size: int) -> tuple[int, int]:
     """(left, right) on the ring: receive from the left, send to the right."""
     return (rank - 1) % world_size, (rank + 1) % world_size
 
 
-def _exchange(send: torch.Tensor, send_to: int, receive: torch.Tensor, receive_from: int) -> None:
-    """Send and receive at once (isend/irecv), so two neighbours never wait on each other."""
-    requests = [dist.isend(send.contiguous(), send_to), dist.irecv(receive, receive_from)]
-    for request in requests:
-        request.wait()
+def _exchange(send: torch.Tensor, send_to: int, receive: torch.Tensor, receive_from: int,
+              timeout: datetime.timedelta | None) -> None:
+    """Send and receive at once, so two neighbours never wait on each other.
+
+    batch_isend_irecv posts both before waiting (on NCCL inside one group, which NCCL needs when
+    two ranks send to each other). A partner that never answers raises after `timeout` (default:
+    the process group's), so a broken ring fails instead of hanging.
+    """
+    operations = [dist.P2POp(dist.isend, send.contiguous(), send_to),
+                  dist.P2POp(dist.irecv, receive, receive_from)]
+    for request in dist.batch_isend_irecv(operations):
+        if timeout is None:
+            request.wait()
+        else:
+            request.wait(timeout)
 
 
-def ring_all_reduce(tensor: torch.Tensor, rank: int, world_size: int) -> int:
+def ring_all_reduce(tensor: torch.Tensor, rank: int, world_size: int,
+                    timeout: datetime.timedelta | None = None, neighbours_of=None) -> int:
     """Sum `tensor` over all ranks in place with the ring algorithm; return the bytes this rank sent.
 
-    The flat tensor is cut into world_size chunks (sizes may differ by one element).
+    The flat tensor (N,) is cut into world_size chunks (sizes differ by at most one element).
     Reduce-scatter, n-1 steps: at step s rank r sends chunk (r - s) and adds the chunk (r - s - 1) it
     receives from its left neighbour; afterwards rank r owns the complete sum of chunk (r + 1).
     All-gather, n-1 steps: at step s rank r passes on chunk (r + 1 - s) and stores chunk (r - s).
     Each rank sends 2(n-1) chunks, 2(n-1)/n of the data, whatever n is.
+    neighbours_of(rank, n) -> (left, right) defaults to `neighbours`; another one shows a broken ring.
     """
     if world_size == 1:
         return 0
-    left, right = neighbours(rank, world_size)
+    left, right = (neighbours_of or neighbours)(rank, world_size)
     chunks = list(torch.tensor_split(tensor.view(-1), world_size))
     sent = 0
-    for step in range(world_size - 1):
+    for step in range(world_size - 1):  # reduce-scatter: add what arrives
         outgoing, incoming = chunks[(rank - step) % world_size], chunks[(rank - step - 1) % world_size]
         buffer = torch.empty_like(incoming)
-        _exchange(outgoing, right, buffer, left)
+        _exchange(outgoing, right, buffer, left, timeout)
         incoming.add_(buffer)
         sent += outgoing.numel() * outgoing.element_size()
-    for step in range(world_size - 1):
+    for step in range(world_size - 1):  # all-gather: store what arrives
         outgoing, incoming = chunks[(rank + 1 - step) % world_size], chunks[(rank - step) % world_size]
         buffer = torch.empty_like(incoming)
-        _exchange(outgoing, right, buffer, left)
+        _exchange(outgoing, right, buffer, left, timeout)
         incoming.copy_(buffer)
         sent += outgoing.numel() * outgoing.element_size()
     return sent
+
+
+def chunk_sizes(size: int, world_size: int) -> list[int]:
+    """Elements in each of the ring's chunks: the first size % n chunks hold one element more."""
+    base, extra = divmod(size, world_size)
+    return [base + (1 if index < extra else 0) for index in range(world_size)]
+
+
+def ring_bytes_sent(size: int, rank: int, world_size: int, element_size: int = 4) -> int:
+    """What ring_all_reduce must send from `rank`, by counting chunks rather than by running it.
+
+    Reduce-scatter sends every chunk but (r + 1), all-gather every chunk but (r + 2):
+    2N - chunk(r + 1) - chunk(r + 2) elements, i.e. 2(n-1)/n * N when n divides N.
+    """
+    if world_size == 1:
+        return 0
+    chunks = chunk_sizes(size, world_size)
+    elements = 2 * size - chunks[(rank + 1) % world_size] - chunks[(rank + 2) % world_size]
+    return elements * element_size
 
 
 def naive_all_reduce(tensor: torch.Tensor, rank: int, world_size: int, root: int = 0) -> int:
@@ -82,18 +135,28 @@ def naive_all_reduce(tensor: torch.Tensor, rank: int, world_size: int, root: int
     return nbytes
 
 
-def torch_all_reduce(tensor: torch.Tensor, rank: int, world_size: int) -> int:
-    """dist.all_reduce, the backend's own algorithm; bytes sent are the backend's business (None)."""
+def naive_bytes_sent(size: int, rank: int, world_size: int, element_size: int = 4, root: int = 0) -> int:
+    """What naive_all_reduce must send from `rank`: (n-1) N from the root, N from every other rank."""
+    if world_size == 1:
+        return 0
+    return (world_size - 1 if rank == root else 1) * size * element_size
+
+
+def torch_all_reduce(tensor: torch.Tensor, rank: int, world_size: int) -> None:
+    """dist.all_reduce, the backend's own algorithm; what it sends is the backend's business (None)."""
     dist.all_reduce(tensor)
-    return 0
+    return None
 
 
-ALGORITHMS = {"dist.all_reduce": torch_all_reduce, "ring (send/recv)": ring_all_reduce,
-              "naive (to rank 0 and back)": naive_all_reduce}
+ALGORITHMS = {"dist.all_reduce": torch_all_reduce, "ring": ring_all_reduce, "naive": naive_all_reduce}
+"""Every all-reduce the lab checks and times, by the name records and summaries use."""
+
+BYTES_FORMULAS = {"ring": ring_bytes_sent, "naive": naive_bytes_sent}
+"""The bytes each hand-written algorithm must send per rank: formula(size, rank, world_size)."""
 
 
 def rank_values(rank: int, size: int, device) -> torch.Tensor:
-    """A rank's input: (size,) float32 values that differ per rank and per element (exact in float32)."""
+    """A rank's input: (size,) float32 values that differ per rank and per element (sums exact in float32)."""
     return (torch.arange(size, dtype=torch.float32, device=device) % 7) + 10 * rank
 
 
@@ -105,8 +168,8 @@ def collective_tables(ctx) -> list[dict]:
     def row(name, before, after):
         rows.append({"collective": name, "before": before.tolist(), "after": after.tolist()})
 
-    value = torch.tensor([float(rank)], device=device)
     if n > 1:
+        value = torch.tensor([float(rank)], device=device)
         before = value.clone()
         if rank == 0:
             dist.send(torch.tensor([42.0], device=device), 1)
@@ -125,25 +188,11 @@ def collective_tables(ctx) -> list[dict]:
     part = torch.empty(1, device=device)
     how = reduce_scatter(part, full)
     row(f"reduce_scatter (sum, one element each; {how})", full, part)
+    piece = torch.tensor([float(rank)], device=device)
     gathered = torch.empty(n, device=device)
-    all_gather(gathered, torch.tensor([float(rank)], device=device))
-    row("all_gather", torch.tensor([float(rank)]), gathered)
+    all_gather(gathered, piece)
+    row("all_gather", piece, gathered)
     return rows
-
-
-def reduce_scatter(output: torch.Tensor, full: torch.Tensor) -> str:
-    """dist.reduce_scatter_tensor where the backend has it; else all_reduce then keep this rank's slice.
-
-    Returns which of the two ran, so a notebook can say so.
-    """
-    try:
-        _single_tensor_collective("reduce_scatter_single", "reduce_scatter_tensor")(output, full)
-        return "reduce_scatter"
-    except (RuntimeError, NotImplementedError):
-        total = full.clone()
-        dist.all_reduce(total)
-        output.copy_(total.view(dist.get_world_size(), -1)[dist.get_rank()])
-        return "all_reduce + slice"
 
 
 def check_algorithms(ctx, sizes) -> list[dict]:
@@ -155,29 +204,83 @@ def check_algorithms(ctx, sizes) -> list[dict]:
         for name, algorithm in ALGORITHMS.items():
             mine = rank_values(ctx.rank, size, ctx.device)
             sent = algorithm(mine, ctx.rank, ctx.world_size)
-            rows.append({"algorithm": name, "size": size, "bytes": size * 4, "bytes_sent": sent,
+            formula = BYTES_FORMULAS.get(name)
+            rows.append({"rank": ctx.rank, "algorithm": name, "size": size, "bytes": size * 4, "bytes_sent": sent,
+                         "bytes_formula": formula(size, ctx.rank, ctx.world_size) if formula else None,
                          "max_error": (mine - expected).abs().max().item()})
     return rows
 
 
-def time_algorithm(algorithm, size: int, ctx, repeats: int) -> float:
-    """Fastest of `repeats` timed calls (after warm-up calls, ranks started together), slowest rank's.
+def broken_ring_error(ctx, neighbours_of, size: int, timeout_s: float) -> float:
+    """The ring with other neighbours on (size,) rank_values: its largest error against dist.all_reduce.
 
-    The minimum filters out the interruptions a shared machine adds; what is left is the algorithm.
+    A ring whose messages never arrive raises after timeout_s instead of returning.
     """
-    tensor = torch.ones(size, device=ctx.device)
-    for _ in range(3):  # warm-up: the first calls pay for connections and allocations
-        algorithm(tensor, ctx.rank, ctx.world_size)
-    seconds = []
-    for _ in range(repeats):
-        dist.barrier()
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
+    tensor = rank_values(ctx.rank, size, ctx.device)
+    expected = tensor.clone()
+    dist.all_reduce(expected)
+    ring_all_reduce(tensor, ctx.rank, ctx.world_size, datetime.timedelta(seconds=timeout_s), neighbours_of)
+    return (tensor - expected).abs().max().item()
+
+
+REPEAT_TARGET_S = 0.02  # a timed repeat lasts about this long: many calls, one ready-made scheduler slice
+
+
+def calls_per_repeat(algorithm, tensor: torch.Tensor, ctx, warmup: int = 3) -> int:
+    """Warm up, then how many back-to-back calls make one timed repeat last about REPEAT_TARGET_S.
+
+    The first calls pay for connections and allocations. The fastest warm-up call estimates one
+    call; all ranks take the smallest estimate (the least disturbed) and so run the same number of calls.
+    """
+    fastest = float("inf")
+    for _ in range(warmup):
+        synchronize(ctx.device)
         start = time.perf_counter()
         algorithm(tensor, ctx.rank, ctx.world_size)
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
-        seconds.append(time.perf_counter() - start)
-    slowest = torch.tensor([min(seconds)])
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a collective takes as long as its slowest rank
-    return slowest.item()
+        synchronize(ctx.device)
+        fastest = min(fastest, time.perf_counter() - start)
+    estimate = torch.tensor([fastest], dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(estimate, op=dist.ReduceOp.MIN)
+    return max(1, min(1000, round(REPEAT_TARGET_S / estimate.item())))
+
+
+def _time_loop(algorithm, tensor: torch.Tensor, ctx, calls: int) -> float:
+    """Seconds per call over `calls` back-to-back calls, ranks started together, GPU work included."""
+    dist.barrier()
+    synchronize(ctx.device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        algorithm(tensor, ctx.rank, ctx.world_size)
+    synchronize(ctx.device)
+    return (time.perf_counter() - start) / calls
+
+
+def sweep(ctx, sizes, repeats: int, algorithms: dict | None = None, on_repeat=None) -> dict:
+    """{(algorithm name, size): {"seconds": [per-call seconds of each repeat], "calls": calls per repeat}}.
+
+    As nccl-tests does, a repeat times a loop of back-to-back calls and divides by their number.
+    Repeats go round every (algorithm, size) in turn, so a burst of load from elsewhere on the machine
+    slows one repeat of every point rather than every repeat of one point. A collective lasts until its last rank is done: each repeat keeps the slowest
+    rank's time. Tensors are (size,) float32 zeros, so repeated sums never overflow.
+    """
+    algorithms = algorithms or ALGORITHMS
+    tensors = {size: torch.zeros(size, device=ctx.device) for size in sizes}
+    calls = {(name, size): calls_per_repeat(algorithms[name], tensors[size], ctx)
+             for name in algorithms for size in sizes}
+    seconds: dict = {key: [] for key in calls}
+    for repeat in range(repeats):
+        for (name, size), count in calls.items():
+            seconds[(name, size)].append(_time_loop(algorithms[name], tensors[size], ctx, count))
+        if on_repeat is not None:
+            on_repeat(repeat + 1)
+    slowest = torch.tensor(list(seconds.values()), dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return {key: {"seconds": row, "calls": calls[key]} for key, row in zip(seconds, slowest.tolist())}
+
+
+def time_algorithm(algorithm, size: int, ctx, repeats: int) -> float:
+    """Fastest of `repeats` timed loops of one algorithm on (size,) float32: seconds per call, slowest rank.
+
+    The fastest window is the one other work on the machine disturbed least: what the algorithm costs.
+    """
+    return min(sweep(ctx, [size], repeats, {"algorithm": algorithm})[("algorithm", size)]["seconds"])

@@ -1,10 +1,18 @@
-"""Ring and naive all-reduce equal dist.all_reduce on 2-4 ranks; the ring sends 2(n-1)/n of the data."""
+"""Ring and naive all-reduce equal dist.all_reduce on 2-4 ranks; the ring sends 2(n-1)/n of the data; a broken ring fails."""
+import argparse
+import time
+
 import pytest
 import torch
-import torch.distributed as dist
 
-from labsrc import collectives
-from labsrc.testing import run_ranks
+from labsrc import collectives, config, metrics
+from labsrc.labs import collectives as collectives_lab
+from labsrc.testing import RankError, run_ranks
+
+
+def _sizes(world_size):
+    """Sizes n divides and sizes it does not, including fewer elements than ranks."""
+    return sorted({1, world_size - 1 or 1, world_size + 1, 100 * world_size, 100 * world_size + 1, 257})
 
 
 def _check(ctx, sizes):
@@ -13,48 +21,107 @@ def _check(ctx, sizes):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_hand_written_all_reduces_equal_dist_all_reduce(world_size):
-    sizes = [1, world_size - 1 or 1, world_size + 1, 100 * world_size, 100 * world_size + 1]
+    sizes = _sizes(world_size)
     for rows in run_ranks(_check, world_size, args=(sizes,)):
-        assert {r["algorithm"] for r in rows} == set(collectives.ALGORITHMS)
+        assert {(r["algorithm"], r["size"]) for r in rows} == {(a, s) for a in collectives.ALGORITHMS for s in sizes}
         assert max(r["max_error"] for r in rows) == 0.0
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_ring_sends_two_n_minus_one_over_n_of_the_data(world_size):
-    size = 1000 * world_size
-    for rank, rows in enumerate(run_ranks(_check, world_size, args=([size],))):
-        ring = next(r for r in rows if r["algorithm"].startswith("ring"))
-        naive = next(r for r in rows if r["algorithm"].startswith("naive"))
-        assert ring["bytes_sent"] == 2 * (world_size - 1) * (4 * size) // world_size
-        assert naive["bytes_sent"] == (world_size - 1) * 4 * size if rank == 0 else 4 * size
+def test_bytes_sent_match_the_formulas_exactly(world_size):
+    sizes = _sizes(world_size)
+    per_rank = run_ranks(_check, world_size, args=(sizes,))
+    for size in sizes:
+        ring = [next(r for r in rows if (r["algorithm"], r["size"]) == ("ring", size)) for rows in per_rank]
+        naive = [next(r for r in rows if (r["algorithm"], r["size"]) == ("naive", size)) for rows in per_rank]
+        assert [r["bytes_sent"] for r in ring] == [r["bytes_formula"] for r in ring]
+        assert [r["bytes_sent"] for r in naive] == [r["bytes_formula"] for r in naive]
+        # All ranks together send 2(n-1) N bytes, whatever the size: 2(n-1)/n of the data per rank on average.
+        assert sum(r["bytes_sent"] for r in ring) == 2 * (world_size - 1) * 4 * size
+        if size % world_size == 0:
+            assert all(r["bytes_sent"] * world_size == 2 * (world_size - 1) * 4 * size for r in ring)
+        assert naive[0]["bytes_sent"] == (world_size - 1) * 4 * size
+        assert all(r["bytes_sent"] == 4 * size for r in naive[1:])
+
+
+def test_chunk_sizes_cover_the_tensor_like_tensor_split():
+    for size, world_size in [(1, 4), (5, 3), (9, 4), (12, 4), (4099, 3)]:
+        pieces = torch.tensor_split(torch.empty(size), world_size)
+        assert collectives.chunk_sizes(size, world_size) == [p.numel() for p in pieces]
+    assert collectives.ring_bytes_sent(12, 0, 4) == 2 * 3 * 12 // 4 * 4
+    assert collectives.ring_bytes_sent(100, 0, 1) == 0
 
 
 def _tables(ctx):
     return collectives.collective_tables(ctx)
 
 
-def test_collective_tables_show_what_each_rank_holds():
-    rank0, rank1 = run_ranks(_tables, 2)
-    after = {row["collective"].split(" (")[0]: row["after"] for row in rank1}
-    assert after["send/recv"] == [42.0]
-    assert after["broadcast from rank 0"] == [0.0]
-    assert after["all_reduce"] == [3.0]
-    assert after["reduce_scatter"] == [1.0 + 11.0]
-    assert after["all_gather"] == [0.0, 1.0]
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_collective_tables_show_what_each_rank_holds(world_size):
+    n = world_size
+    for rank, rows in enumerate(run_ranks(_tables, n)):
+        after = {row["collective"].split(" (")[0]: row["after"] for row in rows}
+        before = {row["collective"].split(" (")[0]: row["before"] for row in rows}
+        assert after["send/recv"] == ([42.0] if rank == 1 else before["send/recv"])
+        assert after["broadcast from rank 0"] == [0.0]
+        assert after["all_reduce"] == [n * (n + 1) / 2]
+        assert after["reduce_scatter"] == [float(sum(rank + 10 * other for other in range(n)))]
+        assert after["all_gather"] == [float(r) for r in range(n)]
+        assert "reduce_scatter (sum, one element each; reduce_scatter)" in [row["collective"] for row in rows]
 
 
-def _wrong_neighbour(ctx):
-    original = collectives.neighbours
-    collectives.neighbours = lambda rank, n: (rank, rank)  # a broken ring: everyone talks to itself
-    try:
-        tensor = torch.ones(8)
-        collectives.ring_all_reduce(tensor, ctx.rank, ctx.world_size)
-    finally:
-        collectives.neighbours = original
-    return tensor.tolist()
+def _talk_to_itself(rank, n):
+    return rank, rank
 
 
-def test_a_broken_ring_fails_instead_of_hanging():
-    from labsrc.testing import RankError
+def _receive_from_the_right(rank, n):
+    return (rank + 1) % n, (rank + 1) % n
+
+
+def _reversed_ring(rank, n):
+    return (rank + 1) % n, (rank - 1) % n
+
+
+def test_a_ring_that_talks_to_itself_raises():
     with pytest.raises(RankError):
-        run_ranks(_wrong_neighbour, 2, timeout_s=30)
+        run_ranks(collectives.broken_ring_error, 2, args=(_talk_to_itself, 8, 5.0), timeout_s=30)
+
+
+def test_a_ring_whose_messages_never_arrive_raises_within_its_timeout():
+    start = time.perf_counter()
+    with pytest.raises(RankError, match="[Tt]imed out|Connection closed"):
+        run_ranks(collectives.broken_ring_error, 3, args=(_receive_from_the_right, 9, 2.0), timeout_s=30)
+    assert time.perf_counter() - start < 25, "the broken ring should fail at its 2 s timeout, not hang"
+
+
+def test_a_ring_turned_backwards_gives_a_wrong_sum():
+    errors = run_ranks(collectives.broken_ring_error, 3, args=(_reversed_ring, 9, 5.0), timeout_s=30)
+    assert max(errors) > 0, "chunks sent the wrong way round must not add up to dist.all_reduce"
+
+
+def _lab_body(ctx, run_dir):
+    small = config.PROFILES["ci"].replace(sweep_sizes=(64, 4096, 65536), repeats=3)
+    collectives_lab.resolve_profile = lambda args: small  # this forked rank's copy only
+    records = metrics.RecordWriter(run_dir, ctx.rank)
+    try:
+        return collectives_lab.collectives_lab(ctx, records, argparse.Namespace(profile=None))
+    finally:
+        records.close()
+
+
+def test_lab_records_every_measurement_and_summarises_the_fits(tmp_path):
+    summary, _ = run_ranks(_lab_body, 2, args=(tmp_path,))
+    assert set(summary["fits"]) == set(summary["fits_median"]) == set(collectives.ALGORITHMS)
+    for fit in [*summary["fits"].values(), *summary["fits_median"].values()]:
+        assert set(fit) == {"alpha_s", "beta_s_per_byte", "r2"}
+        assert fit["beta_s_per_byte"] > 0
+    records = metrics.read_records(tmp_path)
+    timings = [r for r in records[0] if r["kind"] == "timing"]
+    assert {(r["algorithm"], r["size"]) for r in timings} == {
+        (a, s) for a in collectives.ALGORITHMS for s in (64, 4096, 65536)}
+    for record in timings:
+        assert len(record["repeats_s"]) == 3 and record["calls_per_repeat"] >= 1
+        assert record["seconds"] == min(record["repeats_s"]) and record["median_s"] == sorted(record["repeats_s"])[1]
+        assert record["busbw"] == pytest.approx(record["algbw"] * 2 * (2 - 1) / 2)
+    assert [r["repeats_s"] for r in timings] == [r["repeats_s"] for r in records[1] if r["kind"] == "timing"]
+    assert any(r["kind"] == "check" for r in records[1]) and any(r["kind"] == "table" for r in records[1])
