@@ -155,6 +155,11 @@ BYTES_FORMULAS = {"ring": ring_bytes_sent, "naive": naive_bytes_sent}
 """The bytes each hand-written algorithm must send per rank: formula(size, rank, world_size)."""
 
 
+def tensor_device(ctx) -> torch.device:
+    """Where the lab's tensors live: the rank's GPU on NCCL; host memory on gloo, whose send/recv copy host bytes."""
+    return ctx.device if ctx.backend == "nccl" else torch.device("cpu")
+
+
 def rank_values(rank: int, size: int, device) -> torch.Tensor:
     """A rank's input: (size,) float32 values that differ per rank and per element (sums exact in float32)."""
     return (torch.arange(size, dtype=torch.float32, device=device) % 7) + 10 * rank
@@ -162,7 +167,7 @@ def rank_values(rank: int, size: int, device) -> torch.Tensor:
 
 def collective_tables(ctx) -> list[dict]:
     """Each collective on a tiny tensor: what this rank held before and after, as rows for a table."""
-    rank, n, device = ctx.rank, ctx.world_size, ctx.device
+    rank, n, device = ctx.rank, ctx.world_size, tensor_device(ctx)
     rows = []
 
     def row(name, before, after):
@@ -195,14 +200,20 @@ def collective_tables(ctx) -> list[dict]:
     return rows
 
 
-def check_algorithms(ctx, sizes) -> list[dict]:
-    """Every algorithm against dist.all_reduce on the same inputs: largest error and bytes sent per size."""
-    rows = []
+def check_algorithms(ctx, sizes, timeout_s: float = 20.0) -> list[dict]:
+    """Every algorithm against dist.all_reduce on the same inputs: largest error and bytes sent per size.
+
+    Inputs are (size,) rank_values. The ring waits at most timeout_s for a message, so a ring with a
+    wrong neighbour fails the check within that time instead of hanging.
+    """
+    device, rows = tensor_device(ctx), []
+    algorithms = {**ALGORITHMS, "ring": lambda tensor, rank, world_size: ring_all_reduce(
+        tensor, rank, world_size, datetime.timedelta(seconds=timeout_s))}
     for size in sizes:
-        expected = rank_values(ctx.rank, size, ctx.device)
+        expected = rank_values(ctx.rank, size, device)
         dist.all_reduce(expected)
-        for name, algorithm in ALGORITHMS.items():
-            mine = rank_values(ctx.rank, size, ctx.device)
+        for name, algorithm in algorithms.items():
+            mine = rank_values(ctx.rank, size, device)
             sent = algorithm(mine, ctx.rank, ctx.world_size)
             formula = BYTES_FORMULAS.get(name)
             rows.append({"rank": ctx.rank, "algorithm": name, "size": size, "bytes": size * 4, "bytes_sent": sent,
@@ -216,14 +227,14 @@ def broken_ring_error(ctx, neighbours_of, size: int, timeout_s: float) -> float:
 
     A ring whose messages never arrive raises after timeout_s instead of returning.
     """
-    tensor = rank_values(ctx.rank, size, ctx.device)
+    tensor = rank_values(ctx.rank, size, tensor_device(ctx))
     expected = tensor.clone()
     dist.all_reduce(expected)
     ring_all_reduce(tensor, ctx.rank, ctx.world_size, datetime.timedelta(seconds=timeout_s), neighbours_of)
     return (tensor - expected).abs().max().item()
 
 
-REPEAT_TARGET_S = 0.02  # a timed repeat lasts about this long: many calls, one ready-made scheduler slice
+REPEAT_TARGET_S = 0.02  # a timed repeat lasts about this long, so a stall of a few ms is a part of it, not a multiple
 
 
 def calls_per_repeat(algorithm, tensor: torch.Tensor, ctx, warmup: int = 3) -> int:
@@ -234,12 +245,12 @@ def calls_per_repeat(algorithm, tensor: torch.Tensor, ctx, warmup: int = 3) -> i
     """
     fastest = float("inf")
     for _ in range(warmup):
-        synchronize(ctx.device)
+        synchronize(tensor.device)
         start = time.perf_counter()
         algorithm(tensor, ctx.rank, ctx.world_size)
-        synchronize(ctx.device)
+        synchronize(tensor.device)
         fastest = min(fastest, time.perf_counter() - start)
-    estimate = torch.tensor([fastest], dtype=torch.float64, device=ctx.device)
+    estimate = torch.tensor([fastest], dtype=torch.float64, device=tensor.device)
     dist.all_reduce(estimate, op=dist.ReduceOp.MIN)
     return max(1, min(1000, round(REPEAT_TARGET_S / estimate.item())))
 
@@ -247,11 +258,11 @@ def calls_per_repeat(algorithm, tensor: torch.Tensor, ctx, warmup: int = 3) -> i
 def _time_loop(algorithm, tensor: torch.Tensor, ctx, calls: int) -> float:
     """Seconds per call over `calls` back-to-back calls, ranks started together, GPU work included."""
     dist.barrier()
-    synchronize(ctx.device)
+    synchronize(tensor.device)
     start = time.perf_counter()
     for _ in range(calls):
         algorithm(tensor, ctx.rank, ctx.world_size)
-    synchronize(ctx.device)
+    synchronize(tensor.device)
     return (time.perf_counter() - start) / calls
 
 
@@ -260,11 +271,12 @@ def sweep(ctx, sizes, repeats: int, algorithms: dict | None = None, on_repeat=No
 
     As nccl-tests does, a repeat times a loop of back-to-back calls and divides by their number.
     Repeats go round every (algorithm, size) in turn, so a burst of load from elsewhere on the machine
-    slows one repeat of every point rather than every repeat of one point. A collective lasts until its last rank is done: each repeat keeps the slowest
-    rank's time. Tensors are (size,) float32 zeros, so repeated sums never overflow.
+    slows one repeat of every point rather than every repeat of one point. A collective lasts until its
+    last rank is done: each repeat keeps the slowest rank's time. Tensors are (size,) float32 zeros,
+    so repeated sums never overflow.
     """
     algorithms = algorithms or ALGORITHMS
-    tensors = {size: torch.zeros(size, device=ctx.device) for size in sizes}
+    tensors = {size: torch.zeros(size, device=tensor_device(ctx)) for size in sizes}
     calls = {(name, size): calls_per_repeat(algorithms[name], tensors[size], ctx)
              for name in algorithms for size in sizes}
     seconds: dict = {key: [] for key in calls}
@@ -273,7 +285,7 @@ def sweep(ctx, sizes, repeats: int, algorithms: dict | None = None, on_repeat=No
             seconds[(name, size)].append(_time_loop(algorithms[name], tensors[size], ctx, count))
         if on_repeat is not None:
             on_repeat(repeat + 1)
-    slowest = torch.tensor(list(seconds.values()), dtype=torch.float64, device=ctx.device)
+    slowest = torch.tensor(list(seconds.values()), dtype=torch.float64, device=tensor_device(ctx))
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return {key: {"seconds": row, "calls": calls[key]} for key, row in zip(seconds, slowest.tolist())}
 
