@@ -125,3 +125,20 @@ def test_lab_records_every_measurement_and_summarises_the_fits(tmp_path):
         assert record["busbw"] == pytest.approx(record["algbw"] * 2 * (2 - 1) / 2)
     assert [r["repeats_s"] for r in timings] == [r["repeats_s"] for r in records[1] if r["kind"] == "timing"]
     assert any(r["kind"] == "check" for r in records[1]) and any(r["kind"] == "table" for r in records[1])
+
+
+def test_a_wrong_default_neighbour_fails_the_check_within_its_timeout(monkeypatch):
+    """The notebook's acceptance: a mistake in `neighbours` itself fails check_algorithms on 3 ranks, fast."""
+    monkeypatch.setattr(collectives, "neighbours", _receive_from_the_right)  # forked ranks inherit it
+    start = time.perf_counter()
+    with pytest.raises(RankError, match="[Tt]imed out|Connection closed"):
+        run_ranks(collectives.check_algorithms, 3, args=([9], 2.0), timeout_s=30)
+    assert time.perf_counter() - start < 25, "a wrong neighbour should fail at the 2 s timeout, not hang"
+
+
+def test_gloo_collectives_use_host_tensors_and_nccl_the_rank_gpu():
+    from labsrc.dist import RankContext
+    gloo_on_gpu = RankContext(0, 0, 2, torch.device("cuda", 0), "gloo")
+    nccl = RankContext(1, 1, 2, torch.device("cuda", 1), "nccl")
+    assert collectives.tensor_device(gloo_on_gpu) == torch.device("cpu")
+    assert collectives.tensor_device(nccl) == torch.device("cuda", 1)
