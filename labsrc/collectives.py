@@ -52,8 +52,13 @@ def _exchange(send: torch.Tensor, send_to: int, receive: torch.Tensor, receive_f
     two ranks send to each other). A partner that never answers raises after `timeout` (default:
     the process group's), so a broken ring fails instead of hanging.
     """
-    operations = [dist.P2POp(dist.isend, send.contiguous(), send_to),
-                  dist.P2POp(dist.irecv, receive, receive_from)]
+    # A chunk can be empty (fewer elements than ranks); its partner's matching chunk is then empty too,
+    # so both sides skip it and no backend is asked to move zero bytes.
+    operations = [dist.P2POp(operation, tensor, peer) for operation, tensor, peer in
+                  [(dist.isend, send.contiguous(), send_to), (dist.irecv, receive, receive_from)]
+                  if tensor.numel() > 0]
+    if not operations:
+        return
     for request in dist.batch_isend_irecv(operations):
         if timeout is None:
             request.wait()
