@@ -33,7 +33,8 @@ def parser() -> argparse.ArgumentParser:
                    help="device: the dataset resident on the device; loader: a DataLoader from host memory")
     p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (with --data loader)")
     p.add_argument("--world-size", type=int, default=1, help="ranks; above 1 the bench runs itself under torchrun")
-    p.add_argument("--ddp", action="store_true", help="wrap in DDP even at world size 1")
+    p.add_argument("--ddp", action="store_true",
+                   help="wrap in DDP even at world size 1 (launched through torchrun, like --world-size above 1)")
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator, caches)")
     p.add_argument("--peak-tflops", type=float, default=None,
@@ -61,8 +62,9 @@ def build(options, ctx):
         loader, sampler = data.make_loader(dataset, options.batch_size, ctx.__class__(0, 0, 1, ctx.device, ""),
                                            num_workers=options.num_workers, pin_memory=ctx.device.type == "cuda")
         batches = data.forever(loader, sampler)
-    example = images[:2].to(ctx.device)
-    model, compiled, reason = bench_steps.compile_or_fallback(model, options.compile, options.compile_backend, example)
+    example = images[:options.batch_size].to(ctx.device)  # the timed shape, so the trial compiles what runs
+    model, compiled, reason = bench_steps.compile_or_fallback(model, options.compile, options.compile_backend, example,
+                                                              options.precision)
     return model, compiled, reason, batches
 
 
@@ -85,7 +87,8 @@ def run_benchmark(ctx, options) -> dict:
     achieved = flops / split["step_s"]
     config = {key: value for key, value in vars(options).items() if key not in ("out", "compare_loop")}
     config["out"] = str(options.out) if options.out else None
-    return {"config": config, "world_size": ctx.world_size, "compiled": compiled, "compile_reason": reason,
+    return {"config": config, "world_size": ctx.world_size, "ddp": ddp is not None,
+            "communication_method": bench_steps.COMMUNICATION_METHOD, "compiled": compiled, "compile_reason": reason,
             "images_per_s": options.batch_size * ctx.world_size / split["step_s"], "split": split, "steps": rows,
             "flops_per_step_per_rank": flops, "achieved_tflops_per_rank": achieved / 1e12,
             "peak_tflops": peak, "mfu": achieved / (peak * 1e12) if peak else None,
@@ -108,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         from labsrc.bench_compare import compare_loops
         print(json.dumps(compare_loops(options), indent=2))
         return 0
-    if options.world_size > 1:
+    if options.world_size > 1 or options.ddp:  # DDP needs a process group: torchrun sets one up
         from labsrc import launch
         forwarded = [a for a in (sys.argv[1:] if argv is None else argv)]
         outcome = launch.run("bench", nproc=options.world_size, args=forwarded, timeout=1800)

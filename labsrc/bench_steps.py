@@ -15,14 +15,21 @@ from torch.nn import functional as F
 from labsrc.metrics import synchronize
 from labsrc.train import autocast, set_tf32
 
-# Dense peak FLOP/s (no sparsity) per device and math mode, from NVIDIA's datasheets: H100 SXM5 and
-# H100 PCIe ("NVIDIA H100 Tensor Core GPU" datasheet), A100 SXM4 ("NVIDIA A100 Tensor Core GPU" datasheet).
+# Dense peak FLOP/s (no sparsity: the datasheets' tensor-core figures "with sparsity" halved) per device and
+# math mode. Sources: "NVIDIA H100 Tensor Core GPU" datasheet (H100 SXM5, H100 PCIe, H100 NVL), "NVIDIA H200
+# Tensor Core GPU" datasheet (H200 SXM, H200 NVL), "NVIDIA A100 Tensor Core GPU" datasheet (A100 SXM4 and PCIe).
+# fp32 is the non-tensor-core FP32 figure; tf32, bf16 and fp16 are tensor-core figures.
 PEAK_TFLOPS = {
     "H100 SXM": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},
     "H100 PCIe": {"fp32": 51.0, "tf32": 378.0, "bf16": 756.0, "fp16": 756.0},
+    "H100 NVL": {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5},
     "H100": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},  # "NVIDIA H100 80GB HBM3" is the SXM part
+    "H200 NVL": {"fp32": 60.0, "tf32": 417.5, "bf16": 835.5, "fp16": 835.5},
+    "H200": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.4, "fp16": 989.4},  # the SXM part
     "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0, "fp16": 312.0},
 }
+COMMUNICATION_METHOD = ("backward with DDP minus the same backward under DDP's no_sync() (no all-reduce), "
+                        "medians over the timed steps; 0 without DDP")
 
 
 def peak_tflops(device: torch.device, precision: str, given: float | None = None) -> float | None:
@@ -31,33 +38,51 @@ def peak_tflops(device: torch.device, precision: str, given: float | None = None
         return given
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
+    return lookup_peak(torch.cuda.get_device_name(device), precision)
+
+
+def lookup_peak(device_name: str, precision: str) -> float | None:
+    """Peak TFLOP/s for a GPU name as CUDA reports it ("NVIDIA H100 80GB HBM3"); the longest match wins."""
+    name = device_name.replace(" ", "").upper()
     for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
-        if key.replace(" ", "") in name.replace(" ", "").replace("HBM3", "SXM"):
+        if key.replace(" ", "").upper() in name:
             return PEAK_TFLOPS[key][precision]
     return None
 
 
 def count_flops(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, precision: str) -> int:
-    """FLOPs of one forward + backward, counted by torch.utils.flop_counter (matmuls and convolutions)."""
+    """FLOPs of one forward + backward, counted by torch.utils.flop_counter (matmuls and convolutions).
+
+    images: (N, 3, H, W), labels: (N,). On the meta device nothing is computed, only counted (no autocast
+    there; the count does not depend on the dtype).
+    """
     from torch.utils.flop_counter import FlopCounterMode
     counter = FlopCounterMode(display=False)
+    meta = images.device.type == "meta"
     with counter:  # one context: entering it again would start the count afresh
-        with autocast(images.device, precision):
+        with contextlib.nullcontext() if meta else autocast(images.device, precision):
             loss = F.cross_entropy(model(images), labels)
         loss.backward()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops()
 
 
-def compile_or_fallback(model: nn.Module, enabled: bool, backend: str = "inductor", example=None):
-    """(model, compiled, reason): torch.compile'd and tried once on `example`, or eager with the reason why."""
+def compile_or_fallback(model: nn.Module, enabled: bool, backend: str = "inductor", example=None,
+                        precision: str = "fp32"):
+    """(model, compiled, reason): torch.compile'd and tried once on `example`, or eager with the reason why.
+
+    example: (N, 3, H, W) images of the shape that will be timed. torch.compile itself is lazy: most failures
+    (no C++ compiler, an unsupported operation) only appear on the first call, so that call is made here,
+    forward and backward under the same autocast as the timed steps.
+    """
     if not enabled:
         return model, False, "not requested"
     try:
         compiled = torch.compile(model, backend=backend)
         if example is not None:
-            compiled(example).sum().backward()
+            with autocast(example.device, precision):
+                output = compiled(example)
+            output.float().sum().backward()
             model.zero_grad(set_to_none=True)
         return compiled, True, "compiled"
     except Exception as error:  # any compiler failure must leave a working eager model

@@ -1,32 +1,51 @@
-"""The benchmark command: documented options, valid JSON on a CPU, FLOPs counted right, compile falls back."""
+"""The benchmark command: documented options, valid JSON on a CPU and under torchrun, FLOPs counted right, compile falls back."""
 import json
-import subprocess
-import sys
 
+import pytest
 import torch
 from torch import nn
 
 from labsrc import bench, bench_steps
+from labsrc.models import build_model
+
+PHASES = {"data_s", "forward_s", "backward_s", "communication_s", "optimizer_s", "step_s"}
+SMALL = ["--image-size", "8", "--batch-size", "8", "--steps", "2", "--warmup", "1"]
 
 
-def test_help_documents_every_option():
-    text = subprocess.run([sys.executable, "-m", "labsrc.bench", "--help"], capture_output=True, text=True,
-                          check=True).stdout
+def test_help_documents_every_option(capsys):
+    with pytest.raises(SystemExit) as exit_code:
+        bench.main(["--help"])
+    text = capsys.readouterr().out
+    assert exit_code.value.code == 0 and text.startswith("usage: python -m labsrc.bench")
     for action in bench.parser()._actions:
         for flag in action.option_strings:
-            assert flag in text
+            assert flag in text, f"{flag} missing from --help"
         assert action.help, f"{action.option_strings} has no help"
 
 
 def test_cpu_run_writes_valid_json(tmp_path):
     out = tmp_path / "result.json"
-    subprocess.run([sys.executable, "-m", "labsrc.bench", "--image-size", "16", "--batch-size", "16", "--steps", "2",
-                    "--warmup", "1", "--out", str(out)], check=True, capture_output=True, text=True)
+    assert bench.main([*SMALL, "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert result["images_per_s"] > 0 and result["split"]["step_s"] > 0
-    assert set(result["split"]) == {"data_s", "forward_s", "backward_s", "communication_s", "optimizer_s", "step_s"}
-    assert result["provenance"]["torch"] == torch.__version__
-    assert result["mfu"] is None and result["peak_memory_kind"].startswith("process peak RSS")
+    split = result["split"]
+    assert set(split) == PHASES and split["communication_s"] == 0.0 and not result["ddp"]
+    assert split["step_s"] == pytest.approx(sum(v for k, v in split.items() if k != "step_s"))
+    assert result["images_per_s"] == pytest.approx(8 / split["step_s"])
+    assert len(result["steps"]) == 2 and result["config"]["batch_size"] == 8
+    assert result["provenance"]["torch"] == torch.__version__ and result["provenance"]["device"] == "cpu"
+    assert result["mfu"] is None and result["peak_tflops"] is None
+    assert result["peak_memory_kind"].startswith("process peak RSS") and result["peak_memory_bytes"] > 2**20
+
+
+def test_world_size_two_runs_under_torchrun_with_ddp(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABSRC_RUNS", str(tmp_path / "runs"))
+    out = tmp_path / "result.json"
+    assert bench.main([*SMALL, "--world-size", "2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2 and result["ddp"] and "no_sync" in result["communication_method"]
+    assert set(result["split"]) == PHASES and result["split"]["communication_s"] >= 0.0
+    assert all("local_backward_s" in row for row in result["steps"]), "DDP steps time backward without sync too"
+    assert result["images_per_s"] == pytest.approx(2 * 8 / result["split"]["step_s"])
 
 
 def test_flops_of_a_linear_layer_are_six_batch_in_out():
@@ -35,12 +54,36 @@ def test_flops_of_a_linear_layer_are_six_batch_in_out():
     assert flops == 6 * 4 * 32 * 8 - 2 * 4 * 32 * 8  # the first layer needs no gradient for its input
 
 
-def test_compile_failure_falls_back_to_eager():
+def test_flops_counted_on_meta_equal_flops_computed():
+    torch.manual_seed(0)
+    images, labels = torch.randn(4, 3, 8, 8), torch.randint(10, (4,))
+    real = bench_steps.count_flops(build_model("tiny_cnn"), images, labels, "fp32")
+    with torch.device("meta"):
+        model = build_model("tiny_cnn")
+    counted = bench_steps.count_flops(model, images.to("meta"), labels.to("meta"), "bf16")
+    assert counted == real > 0
+
+
+def test_compile_failure_falls_back_to_eager(capsys):
     model = nn.Linear(4, 2)
     same, compiled, reason = bench_steps.compile_or_fallback(model, True, "no_such_backend", torch.randn(2, 4))
     assert same is model and not compiled and "no_such_backend" in reason
+    assert "falling back to eager" in capsys.readouterr().out
+
+
+def test_compile_that_works_is_used():
+    model = nn.Linear(4, 2)
+    result, compiled, reason = bench_steps.compile_or_fallback(model, True, "eager", torch.randn(2, 4))
+    assert compiled and reason == "compiled" and result is not model
+    torch.testing.assert_close(result(torch.ones(1, 4)), model(torch.ones(1, 4)))
 
 
 def test_peak_lookup():
     assert bench_steps.peak_tflops(torch.device("cpu"), "bf16") is None
     assert bench_steps.peak_tflops(torch.device("cpu"), "bf16", given=1.5) == 1.5
+    assert bench_steps.lookup_peak("NVIDIA H100 80GB HBM3", "bf16") == 989.4
+    assert bench_steps.lookup_peak("NVIDIA H100 PCIe", "tf32") == 378.0
+    assert bench_steps.lookup_peak("NVIDIA H100 NVL", "bf16") == 835.5
+    assert bench_steps.lookup_peak("NVIDIA H200", "fp32") == 67.0
+    assert bench_steps.lookup_peak("NVIDIA A100-SXM4-80GB", "tf32") == 156.0
+    assert bench_steps.lookup_peak("Tesla T4", "bf16") is None
