@@ -70,6 +70,45 @@ def extrapolate(compute_s: float, gradient_bytes: float, gpus: list[int], gpus_p
     return rows
 
 
+def compute_s_from_flops(flops_per_step: float, peak_tflops: float, mfu: float) -> float:
+    """Seconds of compute for a step's FLOPs on a device running at `mfu` of its peak (an assumed input)."""
+    return flops_per_step / (peak_tflops * 1e12 * mfu)
+
+
+def reference_record(bench_results: list[dict]) -> dict:
+    """A results/performance_scaling file from `python -m labsrc.bench --world-size n --out ...` JSONs.
+
+    The runs must share model and per-rank batch (weak scaling, as data-parallel training usually grows) and
+    include world size 1; efficiency = T(1) / T(n). Each run's own provenance is kept beside the points.
+    """
+    by_size = {r["world_size"]: r for r in bench_results}
+    if 1 not in by_size:
+        raise ValueError("a scaling reference needs the world size 1 run: efficiency is relative to it")
+    configs = {(r["config"]["model"], r["config"]["batch_size"], r["config"]["precision"]) for r in bench_results}
+    if len(configs) != 1:
+        raise ValueError(f"the runs differ in (model, per-rank batch, precision): {sorted(configs)}")
+    base = by_size[1]["split"]["step_s"]
+    points = [{"gpus": n, "step_s": r["split"]["step_s"], "images_per_s": r["images_per_s"],
+               "efficiency": base / r["split"]["step_s"]} for n, r in sorted(by_size.items())]
+    model, batch, precision = configs.pop()
+    return {"model": model, "per_rank_batch": batch, "precision": precision, "scaling": points,
+            "provenance": by_size[1]["provenance"], "runs": [r["provenance"] for _, r in sorted(by_size.items())]}
+
+
+def paired_step_times(model, batches, optimizer, device, steps: int, no_sync, warmup: int = 2) -> tuple[float, float]:
+    """(median DDP step, median step under no_sync): one of each in turn, so both see the same machine load.
+
+    On a shared machine the load drifts from second to second; alternating the two kinds of step keeps that
+    drift out of their difference, which is the communication DDP adds.
+    """
+    seconds: dict[bool, list[float]] = {True: [], False: []}
+    for step in range(warmup + steps):
+        for synced in (True, False):
+            seconds[synced].append(step_times(model, batches, optimizer, device, 1, warmup=0,
+                                              no_sync=None if synced else no_sync))
+    return (statistics.median(seconds[True][warmup:]), statistics.median(seconds[False][warmup:]))
+
+
 def step_times(model, batches, optimizer, device, steps: int, warmup: int = 2, no_sync=None) -> float:
     """Median seconds of a full training step; with no_sync (a DDP model's) the step skips communication."""
     import contextlib
@@ -91,4 +130,5 @@ def step_times(model, batches, optimizer, device, steps: int, warmup: int = 2, n
 
 
 def gradient_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the gradients DDP all-reduces each step (one per trainable parameter element)."""
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

@@ -42,3 +42,42 @@ def test_compare_loops_reports_ratios():
     result = compare_loops(options, rounds=2)
     assert set(result["seconds_best_round"]) == {"bare loop", "course loop", "course loop + DDP (world size 1)"}
     assert result["course_over_bare"] > 0 and result["ddp_world1_over_no_ddp"] > 0
+
+
+def test_compute_time_from_flops_and_assumed_mfu():
+    assert scaling.compute_s_from_flops(989.4e12 * 0.5, 989.4, 0.5) == pytest.approx(1.0)
+
+
+def _bench_json(world_size: int, step_s: float, batch: int = 64) -> dict:
+    return {"world_size": world_size, "split": {"step_s": step_s}, "images_per_s": world_size * batch / step_s,
+            "config": {"model": "resnet18", "batch_size": batch, "precision": "bf16"},
+            "provenance": {"device_name": "GPU", "world_size_of_run": world_size}}
+
+
+def test_reference_record_from_bench_runs():
+    record = scaling.reference_record([_bench_json(2, 0.125), _bench_json(1, 0.1), _bench_json(8, 0.2)])
+    assert [p["gpus"] for p in record["scaling"]] == [1, 2, 8]
+    assert [p["efficiency"] for p in record["scaling"]] == pytest.approx([1.0, 0.8, 0.5])
+    assert record["per_rank_batch"] == 64 and record["provenance"]["world_size_of_run"] == 1
+    assert len(record["runs"]) == 3
+    with pytest.raises(ValueError, match="world size 1"):
+        scaling.reference_record([_bench_json(2, 0.1)])
+    with pytest.raises(ValueError, match="differ"):
+        scaling.reference_record([_bench_json(1, 0.1), _bench_json(2, 0.1, batch=32)])
+
+
+def _measure_on_rank(ctx, per_rank_batch):
+    from labsrc.config import PROFILES
+    from labsrc.labs.scaling import measure
+    profile = PROFILES["ci"].replace(image_size=8, num_samples=64)
+    return measure(ctx, profile, per_rank_batch, steps=2)
+
+
+def test_lab_measures_ddp_and_local_steps_on_two_ranks():
+    from labsrc.models import build_model
+    from labsrc.testing import run_ranks
+    results = run_ranks(_measure_on_rank, 2, args=(8,))
+    expected_bytes = 4 * sum(p.numel() for p in build_model("tiny_cnn").parameters())
+    for result in results:
+        assert result["per_rank_batch"] == 8 and result["gradient_bytes"] == expected_bytes
+        assert result["step_s"] > 0 and result["local_step_s"] > 0

@@ -20,9 +20,10 @@ def measure(ctx, profile, per_rank_batch: int, steps: int, seed: int = 0, ddp: b
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=profile.lr, momentum=0.9)
     dataset = data.synthetic_images(max(profile.num_samples, 4 * per_rank_batch), profile.image_size, seed=seed)
     batches = iter(data.DeviceBatches(dataset, per_rank_batch, ctx.__class__(0, 0, 1, ctx.device, ""), seed=seed))
-    step_s = scaling.step_times(wrapped, batches, optimizer, ctx.device, steps)
-    local_s = scaling.step_times(wrapped, batches, optimizer, ctx.device, steps,
-                                 no_sync=wrapped.no_sync if ddp else None)
+    if ddp:
+        step_s, local_s = scaling.paired_step_times(wrapped, batches, optimizer, ctx.device, steps, wrapped.no_sync)
+    else:
+        step_s = local_s = scaling.step_times(wrapped, batches, optimizer, ctx.device, steps)
     return {"per_rank_batch": per_rank_batch, "step_s": step_s, "local_step_s": local_s,
             "gradient_bytes": scaling.gradient_bytes(model)}
 
