@@ -1,6 +1,7 @@
-"""Number formats and mixed precision measured: ranges, underflow, loss scaling, unscale_ before clipping, bytes saved."""
+"""Number formats and mixed precision measured: ranges, underflow, loss scaling, unscale_ before clipping, bytes and time."""
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -13,7 +14,7 @@ FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def format_table() -> dict[str, dict]:
-    """Range and precision of each format, and three numbers that show the difference."""
+    """Range and precision of each format, and three numbers stored in it that show the difference."""
     table = {}
     for name, dtype in FORMATS.items():
         info = torch.finfo(dtype)
@@ -26,116 +27,205 @@ def format_table() -> dict[str, dict]:
     return table
 
 
+def rounding_error(dtype: torch.dtype, size: int = 4096, seed: int = 0) -> float:
+    """Mean relative error of storing size standard-normal fp32 values in dtype (precision, measured)."""
+    values = torch.randn(size, generator=torch.Generator().manual_seed(seed))
+    return ((values.to(dtype).float() - values).abs() / values.abs()).mean().item()
+
+
 def small_model(seed: int = 0, width: int = 64) -> nn.Module:
-    """(N, 32) -> (N, 10): a model small enough to train in seconds on a CPU."""
+    """(N, 32) -> (N, 10): a model small enough to train in milliseconds on a CPU."""
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
 
 
-def toy_batch(size: int = 64, seed: int = 0, device="cpu"):
+def toy_batch(size: int = 64, seed: int = 0, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(images (size, 32) float32, labels (size,) int64), the same for a seed in every process."""
     generator = torch.Generator().manual_seed(seed)
     return (torch.randn(size, 32, generator=generator).to(device),
             torch.randint(10, (size,), generator=generator).to(device))
 
 
-def _gradients(model) -> list[torch.Tensor]:
+def _gradients(model: nn.Module) -> list[torch.Tensor]:
     return [p.grad.detach().float().clone() for p in model.parameters()]
 
 
-def underflow(loss_factor: float = 1e-6, scale: float = 2.0**16, device="cpu") -> dict:
-    """Fraction of gradient elements that fp16 flushes to zero, without and with loss scaling.
+def small_loss_gradients(dtype: torch.dtype | None, loss_factor: float, scaler_scale: float | None = None,
+                         device="cpu") -> list[torch.Tensor]:
+    """Gradients of loss_factor x cross-entropy under autocast(dtype) (None: plain fp32).
+
+    With scaler_scale a torch.amp.GradScaler scales the loss before backward and unscale_ divides the
+    gradients by the same scale afterwards, in fp32, as a training step does before clipping.
+    """
+    device = torch.device(device)
+    images, labels = toy_batch(device=device)
+    model = small_model().to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with torch.amp.autocast(device_type=device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+        loss = F.cross_entropy(model(images), labels) * loss_factor
+    if scaler_scale is None:
+        loss.backward()
+    else:
+        scaler = torch.amp.GradScaler(device.type, init_scale=scaler_scale)
+        scaler.scale(loss).backward()
+        scaler.unscale_(optimizer)
+    return _gradients(model)
+
+
+def underflow(loss_factor: float = 1e-6, scale: float = 2.0**16, device="cpu") -> dict[str, dict]:
+    """Per mode: fraction of gradient elements exactly zero, of fp32's non-zero ones lost, and the error.
 
     A small loss (loss_factor) makes small gradients, as late in training. Under fp16 autocast the
-    backward of the fp16 matmuls computes in fp16, where anything below 6e-8 becomes 0. Multiplying the
-    loss by `scale` (what GradScaler does) lifts the gradients into fp16's range; dividing by the scale
-    afterwards, in fp32, gives them back.
+    backward of each fp16 matmul takes its incoming gradient in fp16, where anything below 6e-8 is 0.
+    GradScaler's scale (2^16 by default) lifts the gradients into range; bf16 has fp32's range.
     """
-    images, labels = toy_batch(device=device)
-    results = {}
-    reference_model = small_model().to(device)
-    (F.cross_entropy(reference_model(images), labels) * loss_factor).backward()
-    reference = _gradients(reference_model)
+    reference = small_loss_gradients(None, loss_factor, device=device)
+    total = sum(g.numel() for g in reference)
     alive = sum(int((g != 0).sum()) for g in reference)
-    for name, multiplier in [("fp16, no scaling", 1.0), ("fp16, loss scaled", scale)]:
-        model = small_model().to(device)
-        with torch.amp.autocast(device_type=torch.device(device).type, dtype=torch.float16):
-            loss = F.cross_entropy(model(images), labels) * loss_factor
-        (loss * multiplier).backward()
-        grads = [g / multiplier for g in _gradients(model)]
+    modes = {"fp32": (None, None), "fp16, no scaling": (torch.float16, None),
+             "fp16 + GradScaler": (torch.float16, scale), "bf16, no scaling": (torch.bfloat16, None)}
+    results = {}
+    for name, (dtype, scaler_scale) in modes.items():
+        grads = small_loss_gradients(dtype, loss_factor, scaler_scale, device)
+        zeros = sum(int((g == 0).sum()) for g in grads)
         lost = sum(int(((g == 0) & (r != 0)).sum()) for g, r in zip(grads, reference))
         error = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(grads, reference))
-        results[name] = {"lost_fraction": lost / alive, "relative_error": error}
+        results[name] = {"zero_fraction": zeros / total, "lost_fraction": lost / alive, "relative_error": error,
+                         "elements": total}
     return results
+
+
+def expected_scales(steps: int, overflow_steps, init_scale: float, growth_interval: int,
+                    growth_factor: float = 2.0, backoff_factor: float = 0.5) -> list[float]:
+    """The scale GradScaler should use at each step by its documented rule: x growth_factor after
+    growth_interval clean steps in a row, x backoff_factor (and the count restarts) at every overflow."""
+    scale, clean, scales = init_scale, 0, []
+    for step in range(steps):
+        scales.append(scale)
+        if step in overflow_steps:
+            scale, clean = scale * backoff_factor, 0
+        else:
+            clean += 1
+            if clean == growth_interval:
+                scale, clean = scale * growth_factor, 0
+    return scales
 
 
 def scaler_trace(steps: int = 24, overflow_steps: tuple = (7, 15), growth_interval: int = 3,
                  init_scale: float = 2.0**10, device="cpu") -> list[dict]:
-    """Train with fp16 autocast + GradScaler; at overflow_steps an input of 1e5 overflows fp16.
+    """Train with fp16 autocast + GradScaler; at overflow_steps an input x 1e5 overflows fp16.
 
-    Per step: the scale used, whether optimizer.step() was skipped (the scale fell), and the loss.
-    The scale doubles after `growth_interval` clean steps and halves at every inf/NaN gradient.
+    Per step: the scale used, whether the parameters changed (a skipped optimizer.step() leaves them
+    as they were), whether the scale fell (GradScaler's own sign of a skip), and the loss.
     """
+    device = torch.device(device)
     model = small_model().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=init_scale, growth_interval=growth_interval)
+    scaler = torch.amp.GradScaler(device.type, init_scale=init_scale, growth_interval=growth_interval)
     trace = []
     for step in range(steps):
         images, labels = toy_batch(seed=step, device=device)
         if step in overflow_steps:
             images = images * 1e5  # activations beyond fp16's 65504: inf in forward, inf gradients
         optimizer.zero_grad(set_to_none=True)
-        with torch.amp.autocast(device_type=torch.device(device).type, dtype=torch.float16):
+        with torch.amp.autocast(device_type=device.type, dtype=torch.float16):
             loss = F.cross_entropy(model(images), labels)
         used = scaler.get_scale()
+        before = [p.detach().clone() for p in model.parameters()]
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
-        trace.append({"step": step, "scale": used, "skipped": scaler.get_scale() < used,
-                      "loss": loss.item(), "injected_overflow": step in overflow_steps})
+        changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        trace.append({"step": step, "scale": used, "scale_after": scaler.get_scale(), "parameters_changed": changed,
+                      "skipped": scaler.get_scale() < used, "loss": loss.item(),
+                      "injected_overflow": step in overflow_steps})
     return trace
 
 
+def scaler_experiment(steps: int = 24, growth_interval: int = 3, overflow_steps: tuple = (7, 15),
+                      init_scale: float = 2.0**10, device="cpu") -> dict:
+    """scaler_trace beside the rule's prediction, with the counts a learner checks: steps whose
+    parameters did not change, steps after which the scale fell, overflows injected, growths, back-offs."""
+    trace = scaler_trace(steps, overflow_steps, growth_interval, init_scale, device)
+    return {"trace": trace, "growth_interval": growth_interval,
+            "expected": expected_scales(steps, overflow_steps, init_scale, growth_interval),
+            "unchanged_steps": [r["step"] for r in trace if not r["parameters_changed"]],
+            "backoff_steps": [r["step"] for r in trace if r["skipped"]],
+            "injected_steps": [r["step"] for r in trace if r["injected_overflow"]],
+            "growths": sum(r["scale_after"] > r["scale"] for r in trace),
+            "backoffs": sum(r["scale_after"] < r["scale"] for r in trace)}
+
+
 def clipping_with_and_without_unscale(max_norm: float = 1.0, scale: float = 2.0**12, device="cpu") -> dict:
-    """Gradient norm that clip_grad_norm_ sees on scaled gradients vs after scaler.unscale_(optimizer)."""
+    """Gradient norm clip_grad_norm_ sees on scaled gradients vs after scaler.unscale_(optimizer),
+    and the norm of the gradient the optimizer then applies (in true, unscaled units)."""
+    device = torch.device(device)
     norms = {}
     for unscale_first in (False, True):
         model = small_model().to(device)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=scale)
+        scaler = torch.amp.GradScaler(device.type, init_scale=scale)
         images, labels = toy_batch(device=device)
-        with torch.amp.autocast(device_type=torch.device(device).type, dtype=torch.float16):
+        with torch.amp.autocast(device_type=device.type, dtype=torch.float16):
             loss = F.cross_entropy(model(images), labels)
         scaler.scale(loss).backward()
         if unscale_first:
             scaler.unscale_(optimizer)
         seen = nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
         clipped = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.parameters()])).item()
-        scaler.step(optimizer)
+        scaler.step(optimizer)  # unscales now if unscale_ was not called: the clipped gradient / scale
         scaler.update()
         norms["with unscale_" if unscale_first else "without unscale_"] = {
             "norm_seen_by_clip": seen, "norm_applied": clipped / (1.0 if unscale_first else scale)}
-    norms["scale"] = scale
+    norms["scale"], norms["max_norm"] = scale, max_norm
     return norms
 
 
-def saved_activation_bytes(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, precision: str) -> int:
-    """Bytes autograd keeps for backward during one forward in this precision (what activations cost)."""
-    total = 0
+def saved_activation_bytes(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
+                           precision: str) -> dict[str, int]:
+    """Bytes autograd keeps for backward during one forward in this precision, by dtype, with the
+    "total" bytes and the number of "elements" saved.
+
+    images: (N, C, H, W); labels: (N,). Parameters saved for backward are counted too (autocast keeps
+    16-bit copies of them), as they occupy memory until backward just as activations do.
+    """
+    by_dtype: dict[str, int] = {}
+    elements = 0
 
     def pack(tensor):
-        nonlocal total
-        total += tensor.numel() * tensor.element_size()
+        nonlocal elements
+        key = str(tensor.dtype).replace("torch.", "")
+        by_dtype[key] = by_dtype.get(key, 0) + tensor.numel() * tensor.element_size()
+        elements += tensor.numel()
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast(images.device, precision):
         loss = F.cross_entropy(model(images), labels)
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return total
+    return {**by_dtype, "total": sum(by_dtype.values()), "elements": elements}
+
+
+@contextlib.contextmanager
+def step_timer(device: torch.device):
+    """`with step_timer(device) as t:` then t["s"]: CUDA events on a GPU, perf_counter on the CPU."""
+    result = {"s": float("nan")}
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield result
+        end.record()
+        end.synchronize()
+        result["s"] = start.elapsed_time(end) / 1000.0
+    else:
+        start_s = time.perf_counter()
+        yield result
+        result["s"] = time.perf_counter() - start_s
 
 
 def mode_costs(make_model, images, labels, modes, steps: int = 5) -> dict[str, dict]:
-    """Per precision mode: median step time, activation bytes saved for backward, peak GPU memory."""
+    """Per precision mode, one training step of the same model repeated: median step time, bytes kept
+    for backward, and on a GPU the peak memory allocated. images: (N, C, H, W); labels: (N,)."""
     device = images.device
     results = {}
     for mode in modes:
@@ -144,21 +234,46 @@ def mode_costs(make_model, images, labels, modes, steps: int = 5) -> dict[str, d
         scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
         set_tf32(mode == "tf32")
         if device.type == "cuda":
+            torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         seconds = []
-        for _ in range(steps + 1):
-            start = time.perf_counter()
-            optimizer.zero_grad(set_to_none=True)
-            with autocast(device, mode):
-                loss = F.cross_entropy(model(images), labels)
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            seconds.append(time.perf_counter() - start)
-        results[mode] = {"step_s": sorted(seconds[1:])[len(seconds[1:]) // 2],
-                         "activation_bytes": saved_activation_bytes(model, images, labels, mode),
-                         "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+        for _ in range(steps + 1):  # the first is a warm-up
+            with step_timer(device) as timer:
+                optimizer.zero_grad(set_to_none=True)
+                with autocast(device, mode):
+                    loss = F.cross_entropy(model(images), labels)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+            seconds.append(timer["s"])
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        saved = saved_activation_bytes(model, images, labels, mode)
+        results[mode] = {"step_s": sorted(seconds[1:])[len(seconds[1:]) // 2], "step_times_s": seconds[1:],
+                         "activation_bytes": saved.pop("total"), "activation_elements": saved.pop("elements"),
+                         "activation_bytes_by_dtype": saved,
+                         "peak_memory_bytes": peak}
     set_tf32(False)
     return results
+
+
+def accumulation_step(model: nn.Module, optimizer, scaler, micro_batches, device: torch.device,
+                      mode: str) -> torch.Tensor:
+    """One optimizer step of a DDP model over k micro-batches [(images (B, C, H, W), labels (B,)), ...].
+
+    The first k-1 run forward and backward inside model.no_sync() (gradients pile up locally); the
+    last one syncs, so DDP all-reduces the sum once. Each loss is divided by k, so the step uses the
+    mean gradient. Returns this rank's loss over its k micro-batches (a 0-dim tensor).
+    """
+    optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=device)
+    count = len(micro_batches)
+    for index, (images, labels) in enumerate(micro_batches):
+        sync = contextlib.nullcontext() if index == count - 1 else model.no_sync()
+        with sync:  # forward too: DDP decides in forward whether this backward all-reduces
+            with autocast(device, mode):
+                loss = F.cross_entropy(model(images), labels) / count
+            scaler.scale(loss).backward()
+        total += loss.detach().float()
+    scaler.step(optimizer)
+    scaler.update()
+    return total

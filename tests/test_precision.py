@@ -1,43 +1,98 @@
-"""Mixed precision claims: formats, underflow cured by scaling, the scaler trace, unscale_ before clipping, bytes."""
+"""Mixed precision claims: formats, underflow cured by GradScaler, the scale trace, unscale_ before clipping, bytes, AMP + DDP."""
+import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import precision
+from labsrc import precision, sync
+from labsrc.labs.mixed_precision import modes_for
 from labsrc.models import TinyCNN
+from labsrc.testing import run_ranks
 
 
 def test_formats_differ_where_they_should():
     table = precision.format_table()
-    assert table["fp16"]["max"] == 65504.0 and table["bf16"]["eps"] == 2**-7 and table["fp16"]["eps"] == 2**-10
+    assert table["fp16"]["max"] == 65504.0 and table["bf16"]["max"] > 3e38  # bf16: fp32's 8 exponent bits
+    assert table["bf16"]["smallest_normal"] == table["fp32"]["smallest_normal"] == 2.0**-126
+    assert table["bf16"]["eps"] == 2**-7 and table["fp16"]["eps"] == 2**-10
+    assert table["bf16"]["1 + 2^-9"] == 1.0 and table["fp16"]["1 + 2^-9"] == 1 + 2**-9
+    assert table["fp16"]["70000"] == float("inf") and table["bf16"]["70000"] == 70144.0
     assert table["fp16"]["1e-8"] == 0.0 and table["bf16"]["1e-8"] > 0
 
 
-def test_loss_scaling_recovers_what_fp16_loses():
+def test_bf16_rounds_about_eight_times_coarser_than_fp16():
+    bf16, fp16 = precision.rounding_error(torch.bfloat16), precision.rounding_error(torch.float16)
+    assert precision.rounding_error(torch.float32) == 0.0
+    assert 4 < bf16 / fp16 < 16  # three fewer mantissa bits: 2^3
+
+
+def test_grad_scaler_recovers_what_fp16_loses():
     lost = precision.underflow()
-    assert lost["fp16, no scaling"]["lost_fraction"] > 0.5
-    assert lost["fp16, loss scaled"]["lost_fraction"] < 0.01
+    assert lost["fp32"]["lost_fraction"] == 0.0 and lost["fp32"]["zero_fraction"] < 0.05
+    assert lost["fp16, no scaling"]["zero_fraction"] == 1.0
+    assert lost["fp16 + GradScaler"]["lost_fraction"] < 0.01
+    assert lost["fp16 + GradScaler"]["relative_error"] < 1e-2
+    assert lost["bf16, no scaling"]["lost_fraction"] < 0.01
 
 
-def test_scaler_skips_exactly_the_overflowing_steps_and_halves():
+def test_expected_scales_follow_the_rule():
+    assert precision.expected_scales(7, {3}, 8.0, 2) == [8, 8, 16, 16, 8, 8, 16]
+
+
+def test_scaler_skips_exactly_the_overflowing_steps_and_follows_the_rule():
     trace = precision.scaler_trace(steps=12, overflow_steps=(5,), growth_interval=2)
     assert [r["step"] for r in trace if r["skipped"]] == [5]
-    assert trace[6]["scale"] == trace[5]["scale"] / 2
-    assert trace[2]["scale"] == 2 * trace[0]["scale"]
+    assert [r["step"] for r in trace if not r["parameters_changed"]] == [5]
+    assert [r["scale"] for r in trace] == precision.expected_scales(12, (5,), 2.0**10, 2)
 
 
-def test_clip_sees_scale_times_the_norm_without_unscale():
+def test_clip_sees_exactly_scale_times_the_norm_without_unscale():
     clip = precision.clipping_with_and_without_unscale(scale=2.0**8)
-    ratio = clip["without unscale_"]["norm_seen_by_clip"] / clip["with unscale_"]["norm_seen_by_clip"]
-    assert abs(ratio - 2.0**8) / 2.0**8 < 1e-2
+    assert clip["without unscale_"]["norm_seen_by_clip"] == 2.0**8 * clip["with unscale_"]["norm_seen_by_clip"]
+    assert clip["without unscale_"]["norm_applied"] < clip["with unscale_"]["norm_applied"]
 
 
-def test_bf16_keeps_half_the_activation_bytes():
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_autocast_saves_the_same_elements_in_half_the_bytes(mode):
     images, labels = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
     fp32 = precision.saved_activation_bytes(TinyCNN(), images, labels, "fp32")
-    bf16 = precision.saved_activation_bytes(TinyCNN(), images, labels, "bf16")
-    assert 0 < bf16 < 0.75 * fp32
+    half = precision.saved_activation_bytes(TinyCNN(), images, labels, mode)
+    sixteen_bit = half["bfloat16" if mode == "bf16" else "float16"]
+    assert half["elements"] == fp32["elements"]
+    assert fp32["total"] - half["total"] == sixteen_bit  # each 16-bit element saved 2 of its 4 bytes
 
 
 def test_mode_costs_report_every_mode():
     images, labels = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
     costs = precision.mode_costs(TinyCNN, images, labels, ["fp32", "bf16"], steps=2)
-    assert set(costs) == {"fp32", "bf16"} and all(c["step_s"] > 0 for c in costs.values())
+    assert set(costs) == {"fp32", "bf16"} and all(len(c["step_times_s"]) == 2 for c in costs.values())
+    assert costs["bf16"]["activation_bytes"] < costs["fp32"]["activation_bytes"]
+
+
+def test_cpu_modes_name_why_tf32_is_skipped():
+    modes, skipped = modes_for(torch.device("cpu"))
+    assert modes == ["fp32", "bf16", "fp16"] and "tf32" in skipped
+
+
+def _amp_ddp_training(ctx, mode: str, steps: int = 6, micro_steps: int = 2):
+    torch.manual_seed(0)
+    model = DDP(TinyCNN(batch_norm=False))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", enabled=mode == "fp16")
+    generator = torch.Generator().manual_seed(ctx.rank)  # each rank its own data
+    images = torch.randn(micro_steps * 8, 3, 8, 8, generator=generator)
+    labels = torch.randint(10, (micro_steps * 8,), generator=generator)
+    micro_batches = list(zip(images.chunk(micro_steps), labels.chunk(micro_steps)))
+    losses, spreads = [], []
+    for _ in range(steps):
+        losses.append(precision.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode).item())
+        spreads.append(sync.spread_across_ranks(list(model.parameters())))
+    return losses, spreads, scaler.get_scale() if scaler.is_enabled() else None
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_amp_under_ddp_with_accumulation_keeps_ranks_identical_and_learns(mode):
+    results = run_ranks(_amp_ddp_training, world_size=2, args=(mode,))
+    for losses, spreads, _ in results:
+        assert spreads == [0.0] * len(spreads)
+        assert losses[-1] < losses[0]
+    assert results[0][2] == results[1][2]  # one loss scale on every rank

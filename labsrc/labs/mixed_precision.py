@@ -4,29 +4,35 @@
 """
 from __future__ import annotations
 
-import contextlib
-import platform
-
 import torch
-from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import data, precision, sync
+from labsrc import bench_steps, data, precision, sync
 from labsrc.labs.common import base_parser, resolve_profile, run_lab
 from labsrc.models import build_model
-from labsrc.train import autocast
 
 
 def modes_for(device: torch.device) -> tuple[list[str], dict[str, str]]:
     """The modes this device runs, and why the others are skipped."""
-    if device.type == "cuda":
-        modes = ["fp32", "tf32", "bf16", "fp16"] if torch.cuda.is_bf16_supported() else ["fp32", "tf32", "fp16"]
-        return modes, {} if "bf16" in modes else {"bf16": "this GPU has no bf16 support"}
-    return ["fp32", "bf16", "fp16"], {"tf32": "TF32 is a tensor-core format of NVIDIA GPUs (Ampere and newer)"}
+    if device.type != "cuda":
+        return ["fp32", "bf16", "fp16"], {"tf32": "TF32 is a tensor-core format of NVIDIA GPUs (Ampere and newer)"}
+    modes, skipped = ["fp32"], {}
+    if torch.cuda.get_device_capability(device)[0] >= 8:
+        modes.append("tf32")
+    else:
+        skipped["tf32"] = "TF32 needs an Ampere or newer GPU (compute capability 8.0)"
+    if torch.cuda.is_bf16_supported():
+        modes.append("bf16")
+    else:
+        skipped["bf16"] = "this GPU has no bf16 support"
+    return modes + ["fp16"], skipped
 
 
-def amp_ddp_accumulation(ctx, records, profile, micro_steps: int, seed: int) -> None:
-    """DDP + autocast (bf16; fp16 with GradScaler on GPUs) + no_sync over micro_steps micro-batches."""
+def amp_ddp_accumulation(ctx, records, profile, micro_steps: int, seed: int) -> str:
+    """DDP + autocast (bf16 on CPUs; fp16 + GradScaler on GPUs) + no_sync over micro_steps micro-batches.
+
+    Records per step this rank's loss and how far parameters and the loss scale differ across ranks.
+    """
     torch.manual_seed(seed)
     model = DDP(build_model(profile.model).to(ctx.device))
     optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
@@ -36,21 +42,14 @@ def amp_ddp_accumulation(ctx, records, profile, micro_steps: int, seed: int) -> 
     micro_batch = max(1, profile.global_batch // (ctx.world_size * micro_steps))
     batches = iter(data.DeviceBatches(dataset, micro_batch, ctx, seed=seed))
     for step in range(profile.steps):
-        optimizer.zero_grad(set_to_none=True)
-        total = 0.0
-        for micro in range(micro_steps):
-            images, labels = next(batches)
-            skip = model.no_sync() if micro < micro_steps - 1 else contextlib.nullcontext()
-            with skip:  # forward and backward inside: DDP decides about syncing in forward
-                with autocast(ctx.device, mode):
-                    loss = F.cross_entropy(model(images), labels) / micro_steps
-                scaler.scale(loss).backward()
-            total += loss.detach()
-        scaler.step(optimizer)
-        scaler.update()
-        records.write("amp_step", step=step, loss=float(total), mode=mode,
+        micro_batches = [next(batches) for _ in range(micro_steps)]
+        loss = precision.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode)
+        scale = torch.tensor([scaler.get_scale() if scaler.is_enabled() else 1.0], device=ctx.device)
+        records.write("amp_step", step=step, loss=loss.item(), mode=mode, micro_batch=micro_batch,
+                      scale=scale.item(), scale_spread=sync.spread_across_ranks([scale]),
                       parameter_spread=sync.spread_across_ranks(list(model.parameters())))
         records.progress(step + 1, profile.steps)
+    return mode
 
 
 def mixed_precision_lab(ctx, records, args) -> dict:
@@ -63,18 +62,18 @@ def mixed_precision_lab(ctx, records, args) -> dict:
         records.write("mode", mode=mode, **cost)
     for mode, reason in skipped.items():
         records.write("skipped", mode=mode, reason=reason)
-    amp_ddp_accumulation(ctx, records, profile, args.micro_steps, args.seed)
-    device_name = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else platform.processor() or "cpu"
+    amp_mode = amp_ddp_accumulation(ctx, records, profile, args.micro_steps, args.seed)
     return {"profile": profile.name, "model": profile.model, "batch": profile.global_batch,
-            "image_size": profile.image_size, "modes": costs, "micro_steps": args.micro_steps,
-            "provenance": {"torch": torch.__version__, "cuda": torch.version.cuda, "device_name": device_name,
-                           "python": platform.python_version()}}
+            "image_size": profile.image_size, "modes": costs, "skipped_modes": skipped,
+            "micro_steps": args.micro_steps, "amp_ddp_mode": amp_mode,
+            "provenance": bench_steps.provenance(ctx.device)}
 
 
-def launch_mixed_precision(nproc: int, profile: str | None = None, timeout: float = 300.0):
+def launch_mixed_precision(nproc: int, profile: str | None = None, micro_steps: int = 2, timeout: float = 300.0):
     """Run this lab from a notebook (the default cell and the controls both call this)."""
     from labsrc import launch
-    return launch.run("mixed_precision", nproc=nproc, args=["--profile", profile] if profile else [], timeout=timeout)
+    args = ["--micro-steps", micro_steps] + (["--profile", profile] if profile else [])
+    return launch.run("mixed_precision", nproc=nproc, args=args, timeout=timeout)
 
 
 def main(argv=None):
