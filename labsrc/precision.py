@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from labsrc.train import autocast, set_tf32
+from labsrc.train import TrainConfig, autocast, make_optimizer, set_tf32, train
 
 FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -223,34 +224,34 @@ def step_timer(device: torch.device):
         result["s"] = time.perf_counter() - start_s
 
 
-def mode_costs(make_model, images, labels, modes, steps: int = 5) -> dict[str, dict]:
-    """Per precision mode, one training step of the same model repeated: median step time, bytes kept
-    for backward, and on a GPU the peak memory allocated. images: (N, C, H, W); labels: (N,)."""
-    device = images.device
+def mode_costs(make_model, images, labels, modes, ctx, steps: int = 5, seed: int = 0) -> dict[str, dict]:
+    """Per precision mode, the same model (same seed) trained on one batch by the course loop
+    (labsrc.train.train, fp16 with its GradScaler), one step per call so each is timed: median step
+    time, losses, bytes kept for backward, and on a GPU the peak memory allocated.
+
+    images: (N, C, H, W) and labels: (N,) on ctx.device.
+    """
+    device = ctx.device
+    batches = itertools.repeat((images, labels))
     results = {}
     for mode in modes:
+        torch.manual_seed(seed)
         model = make_model().to(device)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-        scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
-        set_tf32(mode == "tf32")
+        config = TrainConfig(steps=1, lr=0.01, precision=mode)
+        optimizer = make_optimizer(model, config)
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        seconds = []
+        seconds, losses = [], []
         for _ in range(steps + 1):  # the first is a warm-up
             with step_timer(device) as timer:
-                optimizer.zero_grad(set_to_none=True)
-                with autocast(device, mode):
-                    loss = F.cross_entropy(model(images), labels)
-                scaler.scale(loss).backward()
-                scaler.step(optimizer)
-                scaler.update()
+                losses += train(model, batches, ctx, config, optimizer=optimizer)["losses"]
             seconds.append(timer["s"])
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         saved = saved_activation_bytes(model, images, labels, mode)
         results[mode] = {"step_s": sorted(seconds[1:])[len(seconds[1:]) // 2], "step_times_s": seconds[1:],
-                         "activation_bytes": saved.pop("total"), "activation_elements": saved.pop("elements"),
-                         "activation_bytes_by_dtype": saved,
+                         "losses": losses, "activation_bytes": saved.pop("total"),
+                         "activation_elements": saved.pop("elements"), "activation_bytes_by_dtype": saved,
                          "peak_memory_bytes": peak}
     set_tf32(False)
     return results

@@ -4,6 +4,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labsrc import precision, sync
+from labsrc.dist import RankContext
 from labsrc.labs.mixed_precision import modes_for
 from labsrc.models import TinyCNN
 from labsrc.testing import run_ranks
@@ -63,8 +64,12 @@ def test_autocast_saves_the_same_elements_in_half_the_bytes(mode):
 
 def test_mode_costs_report_every_mode():
     images, labels = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
-    costs = precision.mode_costs(TinyCNN, images, labels, ["fp32", "bf16"], steps=2)
-    assert set(costs) == {"fp32", "bf16"} and all(len(c["step_times_s"]) == 2 for c in costs.values())
+    ctx = RankContext(0, 0, 1, torch.device("cpu"), "gloo")
+    costs = precision.mode_costs(TinyCNN, images, labels, ["fp32", "bf16", "fp16"], ctx, steps=2)
+    assert set(costs) == {"fp32", "bf16", "fp16"} and all(len(c["step_times_s"]) == 2 for c in costs.values())
+    assert all(len(c["losses"]) == 3 for c in costs.values())
+    first = {mode: c["losses"][0] for mode, c in costs.items()}  # the same model and batch: agree to 16-bit precision
+    assert abs(first["bf16"] - first["fp32"]) < 0.05 * first["fp32"] and abs(first["fp16"] - first["fp32"]) < 0.01 * first["fp32"]
     assert costs["bf16"]["activation_bytes"] < costs["fp32"]["activation_bytes"]
 
 

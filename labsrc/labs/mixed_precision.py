@@ -57,7 +57,7 @@ def mixed_precision_lab(ctx, records, args) -> dict:
     modes, skipped = modes_for(ctx.device)
     dataset = data.synthetic_images(profile.global_batch, profile.image_size, seed=args.seed)
     images, labels = (t.to(ctx.device) for t in dataset.tensors)
-    costs = precision.mode_costs(lambda: build_model(profile.model), images, labels, modes)
+    costs = precision.mode_costs(lambda: build_model(profile.model), images, labels, modes, ctx)
     for mode, cost in costs.items():
         records.write("mode", mode=mode, **cost)
     for mode, reason in skipped.items():
