@@ -101,3 +101,27 @@ def test_amp_under_ddp_with_accumulation_keeps_ranks_identical_and_learns(mode):
         assert spreads == [0.0] * len(spreads)
         assert losses[-1] < losses[0]
     assert results[0][2] == results[1][2]  # one loss scale on every rank
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible here)")
+
+
+@needs_gpu
+def test_cuda_fp16_underflow_and_unscale_ratio():
+    device = torch.device("cuda", 0)
+    lost = precision.underflow(device=device)
+    assert lost["fp16, no scaling"]["zero_fraction"] == 1.0 and lost["fp16 + GradScaler"]["lost_fraction"] < 0.01
+    clip = precision.clipping_with_and_without_unscale(scale=2.0**8, device=device)
+    assert clip["without unscale_"]["norm_seen_by_clip"] == 2.0**8 * clip["with unscale_"]["norm_seen_by_clip"]
+
+
+@needs_gpu
+def test_cuda_modes_report_peak_memory_and_event_timing():
+    device = torch.device("cuda", 0)
+    modes, skipped = modes_for(device)
+    assert modes[0] == "fp32" and modes[-1] == "fp16" and set(modes) | set(skipped) == {"fp32", "tf32", "bf16", "fp16"}
+    ctx = RankContext(0, 0, 1, device, "nccl")
+    images, labels = torch.randn(32, 3, 16, 16, device=device), torch.randint(10, (32,), device=device)
+    costs = precision.mode_costs(TinyCNN, images, labels, modes, ctx, steps=2)
+    assert all(c["peak_memory_bytes"] > 0 and c["step_s"] > 0 for c in costs.values())
+    assert torch.backends.cuda.matmul.allow_tf32 is False  # mode_costs leaves tf32 off again
