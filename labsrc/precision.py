@@ -36,8 +36,10 @@ def rounding_error(dtype: torch.dtype, size: int = 4096, seed: int = 0) -> float
 
 def small_model(seed: int = 0, width: int = 64) -> nn.Module:
     """(N, 32) -> (N, 10): a model small enough to train in milliseconds on a CPU."""
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
+    with torch.random.fork_rng(devices=[]):  # seeded here, the caller's random state untouched
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(32, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                             nn.Linear(width, 10))
 
 
 def toy_batch(size: int = 64, seed: int = 0, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
@@ -235,8 +237,9 @@ def mode_costs(make_model, images, labels, modes, ctx, steps: int = 5, seed: int
     batches = itertools.repeat((images, labels))
     results = {}
     for mode in modes:
-        torch.manual_seed(seed)
-        model = make_model().to(device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = make_model().to(device)
         config = TrainConfig(steps=1, lr=0.01, precision=mode)
         optimizer = make_optimizer(model, config)
         if device.type == "cuda":
