@@ -15,6 +15,7 @@ import torch
 
 from labsrc import bench_steps, data
 from labsrc.models import build_model
+from labsrc.scaling import gradient_bytes
 
 
 def parser() -> argparse.ArgumentParser:
@@ -90,9 +91,20 @@ def run_benchmark(ctx, options) -> dict:
     return {"config": config, "world_size": ctx.world_size, "ddp": ddp is not None,
             "communication_method": bench_steps.COMMUNICATION_METHOD, "compiled": compiled, "compile_reason": reason,
             "images_per_s": options.batch_size * ctx.world_size / split["step_s"], "split": split, "steps": rows,
-            "flops_per_step_per_rank": flops, "achieved_tflops_per_rank": achieved / 1e12,
+            "flops_per_step_per_rank": flops, "gradient_bytes": gradient_bytes(plain), "achieved_tflops_per_rank": achieved / 1e12,
             "peak_tflops": peak, "mfu": achieved / (peak * 1e12) if peak else None,
             **bench_steps.peak_memory(ctx.device), "provenance": bench_steps.provenance(ctx.device)}
+
+
+def run_in_process(flags: list[str] | str) -> dict:
+    """`python -m labsrc.bench <flags>` at world size 1, in this process (a notebook cell); the result as a dict."""
+    from labsrc.dist import RankContext, gpu_count
+    options = parser().parse_args(flags.split() if isinstance(flags, str) else [str(f) for f in flags])
+    if options.world_size > 1 or options.ddp or options.compare_loop:
+        raise ValueError("in process the bench runs one rank without DDP: use main() for --world-size, --ddp "
+                         "and --compare-loop")
+    device = torch.device("cuda", 0) if gpu_count() else torch.device("cpu")
+    return run_benchmark(RankContext(0, 0, 1, device, "none"), options)
 
 
 def format_result(result: dict) -> str:

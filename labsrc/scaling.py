@@ -96,7 +96,7 @@ def reference_record(bench_results: list[dict]) -> dict:
 
 
 def paired_step_times(model, batches, optimizer, device, steps: int, no_sync, warmup: int = 2) -> tuple[float, float]:
-    """(median DDP step, median step under no_sync): one of each in turn, so both see the same machine load.
+    """(fastest DDP step, fastest step under no_sync): one of each in turn, so both see the same machine load.
 
     On a shared machine the load drifts from second to second; alternating the two kinds of step keeps that
     drift out of their difference, which is the communication DDP adds.
@@ -106,11 +106,15 @@ def paired_step_times(model, batches, optimizer, device, steps: int, no_sync, wa
         for synced in (True, False):
             seconds[synced].append(step_times(model, batches, optimizer, device, 1, warmup=0,
                                               no_sync=None if synced else no_sync))
-    return (statistics.median(seconds[True][warmup:]), statistics.median(seconds[False][warmup:]))
+    return min(seconds[True][warmup:]), min(seconds[False][warmup:])
 
 
 def step_times(model, batches, optimizer, device, steps: int, warmup: int = 2, no_sync=None) -> float:
-    """Median seconds of a full training step; with no_sync (a DDP model's) the step skips communication."""
+    """Seconds of the fastest full training step; with no_sync (a DDP model's) the step skips communication.
+
+    The fastest step is the one other work on the machine disturbed least: what the step costs. (A median
+    still moves by tens of percent when other processes share the cores.)
+    """
     import contextlib
     seconds = []
     for step in range(warmup + steps):
@@ -126,7 +130,15 @@ def step_times(model, batches, optimizer, device, steps: int, warmup: int = 2, n
         synchronize(device)
         if step >= warmup:
             seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+    return min(seconds)
+
+
+def rank_mean(records: list[dict], per_rank_batch: int) -> dict:
+    """Mean over ranks of a scaling lab's "scaling" records at one per-rank batch: step_s, local_step_s, bytes."""
+    mine = [r for r in records if r["per_rank_batch"] == per_rank_batch]
+    if not mine:
+        raise ValueError(f"no scaling record at per-rank batch {per_rank_batch}")
+    return {key: statistics.fmean(r[key] for r in mine) for key in ("step_s", "local_step_s", "gradient_bytes")}
 
 
 def gradient_bytes(model: torch.nn.Module) -> int:

@@ -87,3 +87,10 @@ def test_peak_lookup():
     assert bench_steps.lookup_peak("NVIDIA H200", "fp32") == 67.0
     assert bench_steps.lookup_peak("NVIDIA A100-SXM4-80GB", "tf32") == 156.0
     assert bench_steps.lookup_peak("Tesla T4", "bf16") is None
+
+
+def test_in_process_run_matches_the_command_line_options():
+    result = bench.run_in_process(" ".join(SMALL) + " --channels-last --data loader")
+    assert result["config"]["channels_last"] and result["config"]["data"] == "loader" and result["world_size"] == 1
+    with pytest.raises(ValueError, match="main"):
+        bench.run_in_process(["--world-size", "2"])

@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+import gc
+
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -13,7 +15,7 @@ from labsrc.models import build_model
 
 
 def measure(ctx, profile, per_rank_batch: int, steps: int, seed: int = 0, ddp: bool = True) -> dict:
-    """Median step time of this rank at this per-rank batch: with DDP, and without communication."""
+    """Fastest step time of this rank at this per-rank batch: with DDP, and without communication."""
     torch.manual_seed(seed)
     model = build_model(profile.model).to(ctx.device)
     wrapped = DDP(model) if ddp else model
@@ -39,6 +41,7 @@ def scaling_lab(ctx, records, args) -> dict:
         records.write("allreduce", bytes=points[-1][0], seconds=points[-1][1])
     fit = alpha_beta.fit(*zip(*points))
     records.progress(len(args.batches) + 1, len(args.batches) + 1)
+    gc.collect()  # DDP's reducers (held in reference cycles) go now, while the process group they use still exists
     return {"profile": profile.name, "model": profile.model,
             "fit": {"alpha_s": fit.alpha_s, "beta_s_per_byte": fit.beta_s_per_byte, "r2": fit.r2}}
 

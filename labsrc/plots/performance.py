@@ -36,16 +36,27 @@ def lr_schedules(schedules: dict[str, list[float]], ax=None):
                   styles={label: {} for label in schedules})
 
 
-def extrapolation(predictions: dict[str, list[dict]], references: list[dict] | None = None, ax=None):
-    """Predicted scaling efficiency at 8-64 GPUs per interconnect; reference measurements drawn when present."""
-    ax = new_axes("Predicted by the alpha-beta model (inputs, not measurements)", "GPUs", "scaling efficiency", ax)
-    for label, rows in predictions.items():
-        ax.plot([r["gpus"] for r in rows], [r["efficiency"] for r in rows], "o-", label=label)
+def extrapolation(predictions: dict[str, dict[str, list[dict]]], references: list[dict] | None = None, ax=None):
+    """Predicted scaling efficiency per workload and interconnect ({workload: {link: rows}}), references beside.
+
+    rows: [{"gpus": n, "efficiency": e}, ...] from scaling.extrapolate; a reference is a results/ file with
+    "scaling" points and the "provenance" of the runs that measured them.
+    """
+    import matplotlib.pyplot as plt
+    ax = new_axes("Alpha-beta model with stated link inputs (lines) and measurements (stars)", "GPUs",
+                  "scaling efficiency", ax)
+    markers = {"NVLink": "o-", "InfiniBand": "s--"}
+    for index, (workload, by_link) in enumerate(predictions.items()):
+        color = plt.get_cmap("tab10")(index)
+        for link, rows in by_link.items():
+            style = next((m for key, m in markers.items() if key in link), "o-")
+            ax.plot([r["gpus"] for r in rows], [r["efficiency"] for r in rows], style, color=color,
+                    label=f"{workload}: {link}")
     for reference in references or []:
         points = reference.get("scaling", [])
         ax.plot([p["gpus"] for p in points], [p["efficiency"] for p in points], "k*", markersize=12,
-                label=f"measured: {reference['provenance'].get('device_name', '?')}")
+                label=f"measured: {reference['provenance'].get('device_name', '?')} {reference.get('model', '')}")
     ax.set_xscale("log", base=2)
     ax.set_ylim(0, 1.05)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     return ax
