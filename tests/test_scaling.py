@@ -81,3 +81,17 @@ def test_lab_measures_ddp_and_local_steps_on_two_ranks():
     for result in results:
         assert result["per_rank_batch"] == 8 and result["gradient_bytes"] == expected_bytes
         assert result["step_s"] > 0 and result["local_step_s"] > 0
+
+
+def test_figures_draw_every_series():
+    import matplotlib
+    matplotlib.use("Agg")
+    from labsrc.plots import performance
+    strong, weak = scaling.strong_scaling({1: 1.0, 2: 0.6}), scaling.weak_scaling({1: 1.0, 2: 1.1})
+    speedup, efficiency = performance.scaling_curves(strong, weak)
+    assert [line.get_ydata()[-1] for line in speedup.get_lines()] == [2, strong[2]["speedup"], weak[2]["speedup"]]
+    assert [line.get_ydata()[-1] for line in efficiency.get_lines()] == [1.0, strong[2]["efficiency"], weak[2]["efficiency"]]
+    predictions = {"a": scaling.extrapolate(0.01, 4e7, [1, 8, 16]), "b": scaling.extrapolate(0.02, 4e7, [1, 8, 16])}
+    reference = {"provenance": {"device_name": "GPU"}, "scaling": [{"gpus": 1, "efficiency": 1.0}, {"gpus": 8, "efficiency": 0.9}]}
+    ax = performance.extrapolation(predictions, [reference])
+    assert len(ax.get_lines()) == 2 * 2 + 1 and list(ax.get_lines()[-1].get_ydata()) == [1.0, 0.9]

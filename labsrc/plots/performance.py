@@ -18,16 +18,23 @@ def step_gantt(results: dict[str, dict], ax=None):
     return gantt(spans, "Where a training step's time goes (median step)", ax=ax)
 
 
-def scaling_curves(strong: dict, weak: dict, ax=None):
-    """Efficiency against world size for strong and weak scaling, with the ideal."""
+def scaling_curves(strong: dict, weak: dict, axes=None):
+    """Speedup and efficiency against world size for strong and weak scaling, each beside its ideal.
+
+    strong, weak: {world size: {"speedup": s, "efficiency": e}} from scaling.strong_scaling / weak_scaling.
+    """
+    import matplotlib.pyplot as plt
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     sizes = sorted(strong)
-    series = {"ideal": (sizes, [1.0] * len(sizes)),
-              "strong scaling (fixed global batch)": (sizes, [strong[n]["efficiency"] for n in sizes]),
-              "weak scaling (fixed batch per rank)": (sizes, [weak[n]["efficiency"] for n in sizes])}
-    ax = curves(series, "Scaling efficiency measured here", "ranks", "efficiency", ax=ax,
-                styles={"ideal": {"linestyle": "--", "color": "gray"}})
-    ax.set_xticks(sizes)
-    return ax
+    labels = {"strong scaling (fixed global batch)": strong, "weak scaling (fixed batch per rank)": weak}
+    for ax, key, ideal in ((axes[0], "speedup", sizes), (axes[1], "efficiency", [1.0] * len(sizes))):
+        series = {"ideal": (sizes, ideal), **{label: (sizes, [table[n][key] for n in sizes])
+                                             for label, table in labels.items()}}
+        curves(series, f"Scaling {key} measured here", "ranks", key, ax=ax,
+               styles={"ideal": {"linestyle": "--", "color": "gray"}})
+        ax.set_xticks(sizes)
+    return axes
 
 
 def lr_schedules(schedules: dict[str, list[float]], ax=None):
