@@ -44,6 +44,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compare-loop", action="store_true",
                    help="instead: time the course's training loop against a bare loop, and DDP at world size 1 "
                         "against no DDP, and print the ratios")
+    p.add_argument("--rounds", type=int, default=15,
+                   help="with --compare-loop: timed rounds per configuration, in alternating order (the fastest counts)")
     return p
 
 
@@ -86,7 +88,7 @@ def run_benchmark(ctx, options) -> dict:
     split = bench_steps.summarise(rows)
     peak = bench_steps.peak_tflops(ctx.device, options.precision, options.peak_tflops)
     achieved = flops / split["step_s"]
-    config = {key: value for key, value in vars(options).items() if key not in ("out", "compare_loop")}
+    config = {key: value for key, value in vars(options).items() if key not in ("out", "compare_loop", "rounds")}
     config["out"] = str(options.out) if options.out else None
     return {"config": config, "world_size": ctx.world_size, "ddp": ddp is not None,
             "communication_method": bench_steps.COMMUNICATION_METHOD, "compiled": compiled, "compile_reason": reason,
@@ -121,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     options = parser().parse_args(argv)
     if options.compare_loop:
         from labsrc.bench_compare import compare_loops
-        print(json.dumps(compare_loops(options), indent=2))
+        print(json.dumps(compare_loops(options, options.rounds), indent=2))
         return 0
     if options.world_size > 1 or options.ddp:  # DDP needs a process group: torchrun sets one up
         from labsrc import launch

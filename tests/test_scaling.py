@@ -2,6 +2,7 @@
 import argparse
 
 import pytest
+import torch
 
 from labsrc import scaling
 from labsrc.alpha_beta import AlphaBeta, fit, ring_allreduce_time_s
@@ -38,10 +39,14 @@ def test_alpha_beta_fit_recovers_its_parameters():
 
 def test_compare_loops_reports_ratios():
     from labsrc.bench_compare import compare_loops
+    threads = torch.get_num_threads()
     options = argparse.Namespace(model="tiny_cnn", batch_size=8, image_size=8, steps=2)
     result = compare_loops(options, rounds=2)
     assert set(result["seconds_best_round"]) == {"bare loop", "course loop", "course loop + DDP (world size 1)"}
-    assert result["course_over_bare"] > 0 and result["ddp_world1_over_no_ddp"] > 0
+    times = result["seconds_best_round"]
+    assert result["course_over_bare"] == times["course loop"] / times["bare loop"]
+    assert set(result["cpu_time_ratios"]) == {"course_over_bare", "ddp_world1_over_no_ddp"}
+    assert result["intra_op_threads"] == 1 and torch.get_num_threads() == threads, "threads must be restored"
 
 
 def test_compute_time_from_flops_and_assumed_mfu():
