@@ -83,8 +83,9 @@ def run_benchmark(ctx, options) -> dict:
                                     options.precision)
     ddp = DDP(model) if ctx.distributed and (ctx.world_size > 1 or options.ddp) else None
     optimizer = torch.optim.SGD((ddp or model).parameters(), lr=0.01, momentum=0.9)
+    memory_format = torch.channels_last if options.channels_last else torch.preserve_format
     rows = bench_steps.timed_steps(ddp or model, batches, optimizer, ctx.device, options.precision,
-                                   options.steps, options.warmup, ddp)
+                                   options.steps, options.warmup, ddp, memory_format)
     split = bench_steps.summarise(rows)
     peak = bench_steps.peak_tflops(ctx.device, options.precision, options.peak_tflops)
     achieved = flops / split["step_s"]

@@ -91,8 +91,12 @@ def compile_or_fallback(model: nn.Module, enabled: bool, backend: str = "inducto
         return model, False, reason
 
 
-def timed_steps(model, batches, optimizer, device, precision: str, steps: int, warmup: int, ddp=None) -> list[dict]:
+def timed_steps(model, batches, optimizer, device, precision: str, steps: int, warmup: int, ddp=None,
+                memory_format=torch.preserve_format) -> list[dict]:
     """Per step: seconds in data, forward, backward, optimizer; with DDP also backward under no_sync.
+
+    batches yield (images (N, 3, H, W), labels (N,)); images are brought to `memory_format` in the data phase
+    (a DataLoader's collate stacks them back into NCHW even when the dataset holds channels_last tensors).
 
     The device is synchronised between phases so each phase's time is its own; communication under DDP is
     estimated as backward - backward without synchronisation (a separate pass every step).
@@ -103,7 +107,8 @@ def timed_steps(model, batches, optimizer, device, precision: str, steps: int, w
     for step in range(warmup + steps):
         marks = [time.perf_counter()]
         images, labels = next(batches)
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        labels = labels.to(device, non_blocking=True)
         for phase in ("forward", "backward", "optimizer"):
             synchronize(device)
             marks.append(time.perf_counter())

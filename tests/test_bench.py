@@ -94,3 +94,23 @@ def test_in_process_run_matches_the_command_line_options():
     assert result["config"]["channels_last"] and result["config"]["data"] == "loader" and result["world_size"] == 1
     with pytest.raises(ValueError, match="main"):
         bench.run_in_process(["--world-size", "2"])
+
+
+def test_timed_steps_bring_images_to_the_memory_format():
+    seen = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = nn.Conv2d(3, 4, 1)
+
+        def forward(self, images):
+            seen.append(images.is_contiguous(memory_format=torch.channels_last))
+            return self.conv(images).mean((2, 3))
+
+    model = Probe().to(memory_format=torch.channels_last)
+    batches = iter([(torch.randn(2, 3, 4, 4), torch.randint(4, (2,)))] * 3)  # NCHW, as a DataLoader gives them
+    rows = bench_steps.timed_steps(model, batches, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"),
+                                   "fp32", steps=2, warmup=1, memory_format=torch.channels_last)
+    assert seen == [True, True, True] and len(rows) == 2
+    assert set(rows[0]) == {"data_s", "forward_s", "backward_s", "optimizer_s"}
