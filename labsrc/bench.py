@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from labsrc import bench_steps, data
+from labsrc.dist import RankContext
 from labsrc.models import build_model
 from labsrc.scaling import gradient_bytes
 
@@ -45,12 +46,17 @@ def parser() -> argparse.ArgumentParser:
                    help="instead: time the course's training loop against a bare loop, and DDP at world size 1 "
                         "against no DDP, and print the ratios")
     p.add_argument("--rounds", type=int, default=15,
-                   help="with --compare-loop: timed rounds per configuration, in alternating order (the fastest counts)")
+                   help="with --compare-loop: timed rounds per configuration in alternating order; the fastest counts")
     return p
 
 
 def build(options, ctx):
-    """(model, compiled, reason, batches, images per step) on ctx.device as the options ask."""
+    """(model, compiled, reason, batches) on ctx.device as the options ask; batches yield (N, 3, H, W), (N,).
+
+    Each rank draws its own random images (seeded by rank) from its own copy, resident on the device or read
+    through a DataLoader from host memory.
+    """
+    alone = RankContext(0, 0, 1, ctx.device, ctx.backend)  # the data is this rank's own: no sharding
     num_classes = 1000 if options.model == "resnet50" else 10
     model = build_model(options.model, num_classes=num_classes).to(ctx.device)
     memory_format = torch.channels_last if options.channels_last else torch.contiguous_format
@@ -60,9 +66,9 @@ def build(options, ctx):
     images = dataset.tensors[0].contiguous(memory_format=memory_format)
     dataset = torch.utils.data.TensorDataset(images, dataset.tensors[1])
     if options.data == "device":
-        batches = iter(data.DeviceBatches(dataset, options.batch_size, ctx.__class__(0, 0, 1, ctx.device, ""), seed=0))
+        batches = iter(data.DeviceBatches(dataset, options.batch_size, alone, seed=0))
     else:
-        loader, sampler = data.make_loader(dataset, options.batch_size, ctx.__class__(0, 0, 1, ctx.device, ""),
+        loader, sampler = data.make_loader(dataset, options.batch_size, alone,
                                            num_workers=options.num_workers, pin_memory=ctx.device.type == "cuda")
         batches = data.forever(loader, sampler)
     example = images[:options.batch_size].to(ctx.device)  # the timed shape, so the trial compiles what runs
@@ -94,14 +100,15 @@ def run_benchmark(ctx, options) -> dict:
     return {"config": config, "world_size": ctx.world_size, "ddp": ddp is not None,
             "communication_method": bench_steps.COMMUNICATION_METHOD, "compiled": compiled, "compile_reason": reason,
             "images_per_s": options.batch_size * ctx.world_size / split["step_s"], "split": split, "steps": rows,
-            "flops_per_step_per_rank": flops, "gradient_bytes": gradient_bytes(plain), "achieved_tflops_per_rank": achieved / 1e12,
+            "flops_per_step_per_rank": flops, "gradient_bytes": gradient_bytes(plain),
+            "achieved_tflops_per_rank": achieved / 1e12,
             "peak_tflops": peak, "mfu": achieved / (peak * 1e12) if peak else None,
             **bench_steps.peak_memory(ctx.device), "provenance": bench_steps.provenance(ctx.device)}
 
 
 def run_in_process(flags: list[str] | str) -> dict:
     """`python -m labsrc.bench <flags>` at world size 1, in this process (a notebook cell); the result as a dict."""
-    from labsrc.dist import RankContext, gpu_count
+    from labsrc.dist import gpu_count
     options = parser().parse_args(flags.split() if isinstance(flags, str) else [str(f) for f in flags])
     if options.world_size > 1 or options.ddp or options.compare_loop:
         raise ValueError("in process the bench runs one rank without DDP: use main() for --world-size, --ddp "
@@ -111,13 +118,18 @@ def run_in_process(flags: list[str] | str) -> dict:
 
 
 def format_result(result: dict) -> str:
+    """One line: images/s, the step split, FLOP/s and MFU, peak memory, and whether compiling worked."""
     split = result["split"]
-    parts = ", ".join(f"{k[:-2]} {1000 * v:.2f} ms" for k, v in split.items() if k != "step_s")
-    mfu = "MFU n/a (peak unknown: pass --peak-tflops)" if result["mfu"] is None else f"MFU {100 * result['mfu']:.1f}%"
-    return (f"{result['images_per_s']:.0f} images/s on {result['world_size']} rank(s); step {1000 * split['step_s']:.2f} ms "
-            f"({parts}); {result['achieved_tflops_per_rank'] * 1000:.1f} GFLOP/s per rank, {mfu}; "
-            f"{result['peak_memory_kind']} {result['peak_memory_bytes'] / 2**20:.0f} MiB; compiled: {result['compiled']}"
-            + ("" if result["compiled"] or result["compile_reason"] == "not requested" else f" ({result['compile_reason']})"))
+    parts = ", ".join(f"{key[:-2]} {1000 * value:.2f} ms" for key, value in split.items() if key != "step_s")
+    mfu = ("MFU n/a (peak unknown: pass --peak-tflops)" if result["mfu"] is None
+           else f"MFU {100 * result['mfu']:.1f}%")
+    compiled = f"compiled: {result['compiled']}"
+    if not result["compiled"] and result["compile_reason"] != "not requested":
+        compiled += f" ({result['compile_reason']})"
+    return (f"{result['images_per_s']:.0f} images/s on {result['world_size']} rank(s); "
+            f"step {1000 * split['step_s']:.2f} ms ({parts}); "
+            f"{result['achieved_tflops_per_rank'] * 1000:.1f} GFLOP/s per rank, {mfu}; "
+            f"{result['peak_memory_kind']} {result['peak_memory_bytes'] / 2**20:.0f} MiB; {compiled}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,4 +1,4 @@
-"""Scaling arithmetic: strong and weak scaling, learning-rate scaling with warm-up, and step time predicted for N GPUs."""
+"""Scaling arithmetic: strong and weak scaling, learning-rate scaling with warm-up, step time predicted for N GPUs."""
 from __future__ import annotations
 
 import statistics
@@ -45,7 +45,7 @@ def warmup_lr(step: int, peak_lr: float, warmup_steps: int) -> float:
 
 def predict_step_s(compute_s: float, gradient_bytes: float, world_size: int, link: AlphaBeta,
                    overlap: float = 0.0) -> float:
-    """Step time with a ring all-reduce of the gradients: compute + (1 - overlap) x communication.
+    """Step time with a ring all-reduce of the gradients: compute + communication - overlap x min(both).
 
     overlap=0: communication after compute (an upper bound); overlap=1: fully hidden behind backward, so
     the step takes max(compute, communication).

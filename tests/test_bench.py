@@ -1,4 +1,4 @@
-"""The benchmark command: documented options, valid JSON on a CPU and under torchrun, FLOPs counted right, compile falls back."""
+"""The benchmark command: documented options, valid JSON on a CPU and under torchrun, FLOPs, compile fallback."""
 import json
 
 import pytest

@@ -95,8 +95,10 @@ def test_figures_draw_every_series():
     strong, weak = scaling.strong_scaling({1: 1.0, 2: 0.6}), scaling.weak_scaling({1: 1.0, 2: 1.1})
     speedup, efficiency = performance.scaling_curves(strong, weak)
     assert [line.get_ydata()[-1] for line in speedup.get_lines()] == [2, strong[2]["speedup"], weak[2]["speedup"]]
-    assert [line.get_ydata()[-1] for line in efficiency.get_lines()] == [1.0, strong[2]["efficiency"], weak[2]["efficiency"]]
+    last_points = [line.get_ydata()[-1] for line in efficiency.get_lines()]
+    assert last_points == [1.0, strong[2]["efficiency"], weak[2]["efficiency"]]
     predictions = {"a": scaling.extrapolate(0.01, 4e7, [1, 8, 16]), "b": scaling.extrapolate(0.02, 4e7, [1, 8, 16])}
-    reference = {"provenance": {"device_name": "GPU"}, "scaling": [{"gpus": 1, "efficiency": 1.0}, {"gpus": 8, "efficiency": 0.9}]}
+    points = [{"gpus": 1, "efficiency": 1.0}, {"gpus": 8, "efficiency": 0.9}]
+    reference = {"provenance": {"device_name": "GPU"}, "scaling": points}
     ax = performance.extrapolation(predictions, [reference])
     assert len(ax.get_lines()) == 2 * 2 + 1 and list(ax.get_lines()[-1].get_ydata()) == [1.0, 0.9]
