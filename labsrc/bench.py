@@ -40,8 +40,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=10, help="timed steps")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator, caches)")
     p.add_argument("--peak-tflops", type=float, default=None,
-                   help="the device's peak TFLOP/s for MFU (default: looked up for known GPUs; none on CPU)")
-    p.add_argument("--out", type=Path, default=None, help="JSON file to write (default: print only)")
+                   help="the device's peak TFLOP/s for MFU; unset: looked up for known GPUs, none on a CPU")
+    p.add_argument("--out", type=Path, default=None, help="JSON file to write; unset: print only")
     p.add_argument("--compare-loop", action="store_true",
                    help="instead: time the course's training loop against a bare loop, and DDP at world size 1 "
                         "against no DDP, and print the ratios")
