@@ -38,5 +38,8 @@ slides: setup
 doctor: setup
 	$(PYTHON) -m labsrc.doctor
 
+bench: setup
+	$(PYTHON) -m labsrc.bench --compare-loop
+
 clean:
 	rm -rf runs slides/build .pytest_cache
