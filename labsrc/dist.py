@@ -127,9 +127,18 @@ def setup(backend: str | None = None, timeout_s: float = 120.0, seed: int | None
     return RankContext(rank, local_rank, world_size, device, chosen)
 
 
-def teardown(ctx: RankContext | None = None) -> None:
-    """Leave the process group cleanly (no-op for a world of one)."""
+def teardown(ctx: RankContext | None = None, wait_for_peers: bool = False) -> None:
+    """Leave the process group cleanly (no-op for a world of one).
+
+    Objects that hold the group (DDP's reducer sits in reference cycles) are collected first, while the
+    group still exists; with wait_for_peers the ranks also leave together. Only after success: a rank
+    that failed must not wait for peers that may be gone.
+    """
     if dist.is_available() and dist.is_initialized():
+        import gc
+        gc.collect()
+        if wait_for_peers:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -137,10 +146,12 @@ def teardown(ctx: RankContext | None = None) -> None:
 def rank_context(backend: str | None = None, timeout_s: float = 120.0, seed: int | None = None):
     """`with rank_context() as ctx:` sets up, yields the context and always tears down."""
     ctx = setup(backend=backend, timeout_s=timeout_s, seed=seed)
+    finished = False
     try:
         yield ctx
+        finished = True
     finally:
-        teardown(ctx)
+        teardown(ctx, wait_for_peers=finished)
 
 
 def describe(ctx: RankContext) -> str:

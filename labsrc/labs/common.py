@@ -72,6 +72,7 @@ def run_lab(name: str, body: LabBody, args: argparse.Namespace) -> dict | None:
         sys.stderr = _RankPrefixed(sys.stderr, rank)
     records = metrics.RecordWriter(run_dir, rank)
     ctx = None
+    finished = False
     try:
         ctx = labdist.setup(backend=args.backend, timeout_s=args.pg_timeout_s, seed=args.seed)
         records.write("context", lab=name, world_size=ctx.world_size, local_rank=ctx.local_rank,
@@ -81,6 +82,7 @@ def run_lab(name: str, body: LabBody, args: argparse.Namespace) -> dict | None:
             summary = {"lab": name, "world_size": ctx.world_size, "backend": ctx.backend,
                        "device": str(ctx.device), **summary}
             metrics.write_summary(run_dir, summary)
+        finished = True
         return summary
     except BaseException as exc:
         metrics.write_error(run_dir, rank, exc, traceback.format_exc())
@@ -90,4 +92,4 @@ def run_lab(name: str, body: LabBody, args: argparse.Namespace) -> dict | None:
         raise
     finally:
         records.close()
-        labdist.teardown(ctx)
+        labdist.teardown(ctx, wait_for_peers=finished)
