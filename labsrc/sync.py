@@ -153,14 +153,20 @@ def with_global_batch_norm(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
+def synchronize_all(gpus: int) -> None:
+    """Wait for the queued work of every GPU (DataParallel's replicas run on all of them)."""
+    for index in range(gpus):
+        torch.cuda.synchronize(index)
+
+
 def dataparallel_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, repeats: int = 3,
                       lr: float = 0.05) -> dict:
     """Training steps through nn.DataParallel: what each call of the module saw, and the step time.
 
     images: (N, 3, H, W), labels: (N,). With 2+ GPUs the batch is scattered in chunks along dim 0 to
     device_ids, the module replicated onto each GPU, and the outputs gathered on the first; the step
-    (forward, backward, SGD update) is timed over `repeats` steps after a warm-up. With fewer GPUs
-    DataParallel calls the module as it is, once, with the whole batch.
+    (forward, backward, SGD update) is timed, the fastest of `repeats` steps after a warm-up. With fewer
+    GPUs DataParallel calls the module as it is, once, with the whole batch. Calls are listed in device order.
     """
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = torch.device("cuda", 0) if gpus else torch.device("cpu")
@@ -173,17 +179,15 @@ def dataparallel_step(model: nn.Module, images: torch.Tensor, labels: torch.Tens
     images, labels = images.to(device), labels.to(device)
     seconds, first_step_calls = [], []
     for _ in range(1 + repeats if gpus >= 2 else 1):
-        if gpus:
-            torch.cuda.synchronize()
+        synchronize_all(gpus)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         outputs = parallel(images)
         F.cross_entropy(outputs, labels).backward()
         optimizer.step()
-        if gpus:
-            torch.cuda.synchronize()
+        synchronize_all(gpus)
         seconds.append(time.perf_counter() - start)
-        first_step_calls = first_step_calls or list(calls)
+        first_step_calls = first_step_calls or sorted(calls, key=lambda call: torch.device(call["device"]).index or 0)
     hook.remove()
     return {"gpus": gpus, "device_ids": list(parallel.device_ids), "calls": first_step_calls,
             "chunks": [call["shape"][0] for call in first_step_calls], "output_device": str(outputs.device),

@@ -156,6 +156,7 @@ def test_dataparallel_shows_what_the_module_saw():
     images, labels = _batch(8)
     report = sync.dataparallel_step(TinyCNN(), images, labels, repeats=2)
     assert sum(report["chunks"]) == 8
+    assert report["chunks"] == [int(c.shape[0]) for c in images.chunk(max(1, report["gpus"]))]
     if report["gpus"] < 2:  # no scatter, no replicas: one call with the whole batch
         assert report["calls"] == [{"shape": [8, 3, 8, 8], "device": "cuda:0" if report["gpus"] else "cpu"}]
         assert not report["replicated"] and report["step_s"] is None
@@ -174,6 +175,9 @@ def test_lab_records_every_experiment(tmp_path, monkeypatch):
     assert max(r["parameter_spread"] for r in result.of_kind("step")) == 0.0
     steps = result.summary["steps"]
     assert len(result.of_kind("step")) == 2 * 3 * steps and len(result.of_kind("single_step")) == 2 * steps
+    timing = result.of_kind("timing")
+    assert len(timing) == 2 * result.summary["timed_steps"] and {r["model"] for r in timing} == {"tiny_cnn"}
+    assert all(r["backward_s"] > 0 and r["local_backward_s"] > 0 for r in timing)
     gaps = curve_gaps(result)
     assert gaps["no BatchNorm"] < 1e-3 and gaps["BatchNorm, global statistics"] < 1e-3
     assert gaps["BatchNorm, per-rank statistics"] > 10 * gaps["BatchNorm, global statistics"]

@@ -1,4 +1,4 @@
-"""The DDP sync experiment on n ranks: broadcast at construction, equal gradients, identical parameters, buffers, loss curves.
+"""The DDP sync experiment on n ranks: broadcast, equal gradients, identical parameters, buffers, curves, step time.
 
     torchrun --nproc-per-node 2 -m labsrc.labs.ddp_sync --profile ci
 """
@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from labsrc import data, sync
 from labsrc.labs.common import base_parser, resolve_profile, run_lab
 from labsrc.metrics import timed
-from labsrc.models import TinyCNN
+from labsrc.models import TinyCNN, build_model
 from labsrc.train import set_tf32
 
 # (name, BatchNorm in the model, BatchNorm statistics over the global batch): the training runs compared.
@@ -115,13 +115,32 @@ def batch_norm_experiments(ctx, records, images, seed: int) -> None:
                   global_running_var_vs_full=(layer[0].running_var - reference.running_var).abs().max().item())
 
 
-def train_ddp(ctx, records, profile, dataset, variant, seed: int, time_local_backward: bool) -> None:
-    """One DDP run: per-step loss, phase times and the parameters' spread across ranks after each step."""
+def train_ddp(ctx, records, profile, dataset, variant, seed: int) -> None:
+    """One DDP run: per-step loss and the parameters' spread across ranks after each step."""
     name, batch_norm, global_statistics = variant
     model = DDP(build(ctx, seed, batch_norm, global_statistics))
     optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
     batches = iter(data.DeviceBatches(dataset, profile.global_batch // ctx.world_size, ctx, seed=seed))
     for step in range(profile.steps):
+        images, labels = next(batches)
+        loss = F.cross_entropy(model(images), labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        records.write("step", variant=name, step=step, loss=loss.item(),
+                      parameter_spread=sync.spread_across_ranks(list(model.parameters())))
+
+
+def time_steps(ctx, records, profile, dataset, seed: int) -> None:
+    """DDP steps of the profile's model, each phase timed; the backward again under no_sync (compute only).
+
+    One warm-up step, then profile.repeats timed steps, one "timing" record each.
+    """
+    torch.manual_seed(seed)
+    model = DDP(build_model(profile.model).to(ctx.device))
+    optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
+    batches = iter(data.DeviceBatches(dataset, profile.global_batch // ctx.world_size, ctx, seed=seed))
+    for step in range(1 + profile.repeats):
         images, labels = next(batches)
         with timed(ctx.device) as forward:
             loss = F.cross_entropy(model(images), labels)
@@ -130,17 +149,15 @@ def train_ddp(ctx, records, profile, dataset, variant, seed: int, time_local_bac
             loss.backward()
         with timed(ctx.device) as update:
             optimizer.step()
-        local = {"s": None}
-        if time_local_backward:  # the same backward again under no_sync: no communication at all
-            with model.no_sync():  # no_sync must cover the forward: DDP arms its reducer there
-                local_loss = F.cross_entropy(model(images), labels)
-                optimizer.zero_grad(set_to_none=True)
-                with timed(ctx.device) as local:
-                    local_loss.backward()
+        with model.no_sync():  # no_sync must cover the forward: DDP arms its reducer there
+            local_loss = F.cross_entropy(model(images), labels)
             optimizer.zero_grad(set_to_none=True)
-        records.write("step", variant=name, step=step, loss=loss.item(), forward_s=forward["s"],
-                      backward_s=backward["s"], local_backward_s=local["s"], optimizer_s=update["s"],
-                      parameter_spread=sync.spread_across_ranks(list(model.parameters())))
+            with timed(ctx.device) as local:
+                local_loss.backward()
+        optimizer.zero_grad(set_to_none=True)
+        if step > 0:  # the first step pays for warm-up
+            records.write("timing", model=profile.model, step=step, forward_s=forward["s"],
+                          backward_s=backward["s"], local_backward_s=local["s"], optimizer_s=update["s"])
 
 
 def train_single(ctx, records, profile, dataset, batch_norm: bool, seed: int) -> None:
@@ -171,15 +188,18 @@ def ddp_sync(ctx, records, args) -> dict:
     gradient_equivalence(ctx, records, images, labels, args.seed)
     batch_norm_experiments(ctx, records, images, args.seed)
     dataset = data.synthetic_images(profile.num_samples, profile.image_size, seed=args.seed)
-    runs = len(VARIANTS) + (2 if ctx.is_main else 0)
+    runs = len(VARIANTS) + 1 + (2 if ctx.is_main else 0)
     for index, variant in enumerate(VARIANTS):
-        train_ddp(ctx, records, profile, dataset, variant, args.seed, time_local_backward=index == 0)
+        train_ddp(ctx, records, profile, dataset, variant, args.seed)
         records.progress(index + 1, runs)
+    time_steps(ctx, records, profile, dataset, args.seed)
+    records.progress(len(VARIANTS) + 1, runs)
     if ctx.is_main:
         for index, batch_norm in enumerate((False, True)):
             train_single(ctx, records, profile, dataset, batch_norm, args.seed)
-            records.progress(len(VARIANTS) + index + 1, runs)
+            records.progress(len(VARIANTS) + index + 2, runs)
     return {"profile": profile.name, "global_batch": profile.global_batch, "steps": profile.steps,
+            "model": profile.model, "timed_steps": profile.repeats,
             "per_rank_batch": profile.global_batch // ctx.world_size, "variants": [v[0] for v in VARIANTS]}
 
 

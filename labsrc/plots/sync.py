@@ -5,7 +5,7 @@ import statistics
 
 from labsrc.plots import bars, curves
 
-TIMED_VARIANT = "no BatchNorm"
+PLAIN_VARIANT = "no BatchNorm"
 
 
 def ddp_loss(result, variant: str) -> tuple[list[int], list[float]]:
@@ -29,7 +29,7 @@ def curve_gaps(result) -> dict[str, float]:
     gaps = {}
     for variant in result.summary["variants"]:
         _, ddp = ddp_loss(result, variant)
-        _, single = single_loss(result, batch_norm=variant != TIMED_VARIANT)
+        _, single = single_loss(result, batch_norm=variant != PLAIN_VARIANT)
         if len(ddp) != len(single):
             raise ValueError(f"{variant}: {len(ddp)} DDP steps but {len(single)} single-process steps")
         gaps[variant] = max(abs(a - b) for a, b in zip(ddp, single))
@@ -42,7 +42,7 @@ def loss_curves(result, axes=None):
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=(11, 3.6))
     wide, dashed = {"linewidth": 4, "alpha": 0.4}, {"linestyle": "--", "marker": "."}
-    plain = {f"DDP, {result.nproc} ranks": ddp_loss(result, TIMED_VARIANT),
+    plain = {f"DDP, {result.nproc} ranks": ddp_loss(result, PLAIN_VARIANT),
              "one process, whole global batch": single_loss(result, False)}
     curves(plain, "No BatchNorm: the same curve", "step", "training loss", ax=axes[0],
            styles=dict(zip(plain, [wide, dashed])))
@@ -54,10 +54,9 @@ def loss_curves(result, axes=None):
 
 
 def step_breakdown_ms(result) -> dict[str, float]:
-    """Median milliseconds per phase over steps and ranks: backward is the no_sync backward (compute only),
-    all-reduce what DDP's backward takes beyond it."""
-    steps = [r for r in result.of_kind("step") if r["variant"] == TIMED_VARIANT]
-    steps = [r for r in steps if r["step"] > 0] or steps  # the first step pays for warm-up
+    """Median milliseconds per phase over the timed steps and ranks: backward is the no_sync backward
+    (compute only), all-reduce what DDP's backward takes beyond it."""
+    steps = result.of_kind("timing")
     median = lambda key: 1000 * statistics.median(r[key] for r in steps)
     return {"forward": median("forward_s"), "backward": median("local_backward_s"),
             "all-reduce": max(0.0, median("backward_s") - median("local_backward_s")),
@@ -65,7 +64,17 @@ def step_breakdown_ms(result) -> dict[str, float]:
 
 
 def step_breakdown(result, ax=None):
-    return bars(step_breakdown_ms(result), f"DDP step on {result.nproc} ranks, median per phase", "ms", ax=ax)
+    """A bar per phase of the timed DDP step (step_breakdown_ms)."""
+    title = f"DDP step of {result.summary['model']} on {result.nproc} ranks, median per phase"
+    return bars(step_breakdown_ms(result), title, "ms", ax=ax)
+
+
+def step_comparison(dataparallel_ms: float, result, ax=None):
+    """DataParallel's step on every GPU beside DDP's (the sum of its median phases), same model and batch."""
+    values = {"DataParallel, 1 process": dataparallel_ms,
+              f"DDP, {result.nproc} processes": sum(step_breakdown_ms(result).values())}
+    return bars(values, f"{result.summary['model']}, global batch {result.summary['global_batch']}: step time",
+                "ms per step", ax=ax)
 
 
 def buffer_spread(result, ax=None):
