@@ -152,7 +152,3 @@ def rank_context(backend: str | None = None, timeout_s: float = 120.0, seed: int
         finished = True
     finally:
         teardown(ctx, wait_for_peers=finished)
-
-
-def describe(ctx: RankContext) -> str:
-    return f"rank {ctx.rank}/{ctx.world_size} (local {ctx.local_rank}) on {ctx.device} with {ctx.backend}"

@@ -123,10 +123,3 @@ def timed(device=None):
     finally:
         synchronize(device)
         result["s"] = time.perf_counter() - start
-
-
-def mean_std(values) -> tuple[float, float]:
-    values = [float(v) for v in values]
-    mean = sum(values) / len(values)
-    var = sum((v - mean) ** 2 for v in values) / max(1, len(values) - 1)
-    return mean, var ** 0.5

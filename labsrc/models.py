@@ -52,7 +52,3 @@ def build_model(name: str, num_classes: int = 10) -> nn.Module:
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}: use one of {sorted(MODELS)}")
     return MODELS[name](num_classes=num_classes)
-
-
-def count_parameters(model: nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())

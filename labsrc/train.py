@@ -99,15 +99,3 @@ def train(model: nn.Module, batches: Iterator, ctx, cfg: TrainConfig, records=No
     seconds = time.perf_counter() - start
     return {"steps": cfg.steps, "losses": losses, "final_loss": losses[-1] if losses else None,
             "seconds": seconds, "samples_per_s_per_rank": samples / seconds if seconds > 0 else None}
-
-
-@torch.no_grad()
-def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, batch_size: int = 512) -> float:
-    """Accuracy of model on (images, labels), in [0, 1]."""
-    model.eval()
-    correct = 0
-    for start in range(0, len(labels), batch_size):
-        logits = model(images[start:start + batch_size])
-        correct += (logits.argmax(dim=1) == labels[start:start + batch_size]).sum().item()
-    model.train()
-    return correct / max(1, len(labels))

@@ -115,6 +115,15 @@ def batch_norm_experiments(ctx, records, images, seed: int) -> None:
                   global_running_var_vs_full=(layer[0].running_var - reference.running_var).abs().max().item())
 
 
+def sgd_step(model, optimizer, images, labels) -> torch.Tensor:
+    """One plain training step, the same for DDP and for the single process beside it; returns the loss."""
+    loss = F.cross_entropy(model(images), labels)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def train_ddp(ctx, records, profile, dataset, variant, seed: int) -> None:
     """One DDP run: per-step loss and the parameters' spread across ranks after each step."""
     name, batch_norm, global_statistics = variant
@@ -122,11 +131,7 @@ def train_ddp(ctx, records, profile, dataset, variant, seed: int) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
     batches = iter(data.DeviceBatches(dataset, profile.global_batch // ctx.world_size, ctx, seed=seed))
     for step in range(profile.steps):
-        images, labels = next(batches)
-        loss = F.cross_entropy(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        loss = sgd_step(model, optimizer, *next(batches))
         records.write("step", variant=name, step=step, loss=loss.item(),
                       parameter_spread=sync.spread_across_ranks(list(model.parameters())))
 
@@ -167,11 +172,7 @@ def train_single(ctx, records, profile, dataset, batch_norm: bool, seed: int) ->
     optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
     batches = iter(data.DeviceBatches(dataset, profile.global_batch, alone, seed=seed))
     for step in range(profile.steps):
-        images, labels = next(batches)
-        loss = F.cross_entropy(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        loss = sgd_step(model, optimizer, *next(batches))
         records.write("single_step", batch_norm=batch_norm, step=step, loss=loss.item())
 
 
