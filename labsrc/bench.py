@@ -13,10 +13,10 @@ from pathlib import Path
 
 import torch
 
-from labsrc import bench_steps, data
-from labsrc.dist import RankContext
-from labsrc.models import build_model
-from labsrc.scaling import gradient_bytes
+from labsrc.training import benchmark, data
+from labsrc.core.world import RankContext
+from labsrc.training.models import build_model
+from labsrc.performance_scaling import gradient_bytes
 
 
 def parser() -> argparse.ArgumentParser:
@@ -83,32 +83,32 @@ def run_benchmark(ctx, options) -> dict:
     memory_format = torch.channels_last if options.channels_last else torch.preserve_format
     images, labels = next(batches)
     images, labels = images.to(ctx.device, memory_format=memory_format), labels.to(ctx.device)
-    flops = bench_steps.count_flops(plain, images, labels, options.precision)
+    flops = benchmark.count_flops(plain, images, labels, options.precision)
     ddp = DDP(plain) if ctx.distributed and (ctx.world_size > 1 or options.ddp) else None
     # Compiled after DDP wraps the model, as PyTorch recommends: Dynamo then splits the graph at DDP's bucket
     # boundaries so the all-reduces still overlap backward. The trial call runs the timed shape.
-    model, compiled, reason = bench_steps.compile_or_fallback(ddp or plain, options.compile, options.compile_backend,
+    model, compiled, reason = benchmark.compile_or_fallback(ddp or plain, options.compile, options.compile_backend,
                                                               images, options.precision)
     optimizer = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
-    rows = bench_steps.timed_steps(model, batches, optimizer, ctx.device, options.precision,
+    rows = benchmark.timed_steps(model, batches, optimizer, ctx.device, options.precision,
                                    options.steps, options.warmup, ddp, memory_format)
-    split = bench_steps.summarise(rows)
-    peak = bench_steps.peak_tflops(ctx.device, options.precision, options.peak_tflops)
+    split = benchmark.summarise(rows)
+    peak = benchmark.peak_tflops(ctx.device, options.precision, options.peak_tflops)
     achieved = flops / split["step_s"]
     config = {key: value for key, value in vars(options).items() if key not in ("out", "compare_loop", "rounds")}
     config["out"] = str(options.out) if options.out else None
     return {"config": config, "world_size": ctx.world_size, "ddp": ddp is not None,
-            "communication_method": bench_steps.COMMUNICATION_METHOD, "compiled": compiled, "compile_reason": reason,
+            "communication_method": benchmark.COMMUNICATION_METHOD, "compiled": compiled, "compile_reason": reason,
             "images_per_s": options.batch_size * ctx.world_size / split["step_s"], "split": split, "steps": rows,
             "flops_per_step_per_rank": flops, "gradient_bytes": gradient_bytes(plain),
             "achieved_tflops_per_rank": achieved / 1e12,
             "peak_tflops": peak, "mfu": achieved / (peak * 1e12) if peak else None,
-            **bench_steps.peak_memory(ctx.device), "provenance": bench_steps.provenance(ctx.device)}
+            **benchmark.peak_memory(ctx.device), "provenance": benchmark.provenance(ctx.device)}
 
 
 def run_in_process(flags: list[str] | str) -> dict:
     """`python -m labsrc.bench <flags>` at world size 1, in this process (a notebook cell); the result as a dict."""
-    from labsrc.dist import gpu_count
+    from labsrc.core.world import gpu_count
     options = parser().parse_args(flags.split() if isinstance(flags, str) else [str(f) for f in flags])
     if options.world_size > 1 or options.ddp or options.compare_loop:
         raise ValueError("in process the bench runs one rank without DDP: use main() for --world-size, --ddp "
@@ -135,7 +135,7 @@ def format_result(result: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     options = parser().parse_args(argv)
     if options.compare_loop:
-        from labsrc.bench_compare import compare_loops
+        from labsrc.training.compare_loops import compare_loops
         print(json.dumps(compare_loops(options, options.rounds), indent=2))
         return 0
     if options.world_size > 1 or options.ddp:  # DDP needs a process group: torchrun sets one up
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         outcome = launch.run("bench", nproc=options.world_size, args=forwarded, timeout=1800)
         result = outcome.summary["result"]
     else:
-        from labsrc.dist import setup, teardown
+        from labsrc.core.world import setup, teardown
         ctx = setup()
         try:
             result = run_benchmark(ctx, options)

@@ -7,7 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labsrc.metrics import synchronize
+from labsrc.training.timing import synchronize
 
 
 def _single_tensor_collective(new_name: str, old_name: str):

@@ -10,8 +10,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from labsrc.config import ProfileError, pick_profile
-from labsrc.dist import gpu_count, max_cpu_ranks
+from labsrc.core.profiles import ProfileError, pick_profile
+from labsrc.core.world import gpu_count, max_cpu_ranks
 
 # (lab, what it needs): "any" runs everywhere on gloo; "2gpu" needs two GPUs for its real version.
 LAB_NEEDS = {

@@ -5,8 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from labsrc import bench, bench_steps
-from labsrc.models import build_model
+from labsrc import bench
+from labsrc.training import benchmark
+from labsrc.training.models import build_model
 
 PHASES = {"data_s", "forward_s", "backward_s", "communication_s", "optimizer_s", "step_s"}
 SMALL = ["--image-size", "8", "--batch-size", "8", "--steps", "2", "--warmup", "1"]
@@ -50,43 +51,43 @@ def test_world_size_two_runs_under_torchrun_with_ddp(tmp_path, monkeypatch):
 
 def test_flops_of_a_linear_layer_are_six_batch_in_out():
     model = nn.Sequential(nn.Linear(32, 8, bias=False))
-    flops = bench_steps.count_flops(model, torch.randn(4, 32), torch.randint(8, (4,)), "fp32")
+    flops = benchmark.count_flops(model, torch.randn(4, 32), torch.randint(8, (4,)), "fp32")
     assert flops == 6 * 4 * 32 * 8 - 2 * 4 * 32 * 8  # the first layer needs no gradient for its input
 
 
 def test_flops_counted_on_meta_equal_flops_computed():
     torch.manual_seed(0)
     images, labels = torch.randn(4, 3, 8, 8), torch.randint(10, (4,))
-    real = bench_steps.count_flops(build_model("tiny_cnn"), images, labels, "fp32")
+    real = benchmark.count_flops(build_model("tiny_cnn"), images, labels, "fp32")
     with torch.device("meta"):
         model = build_model("tiny_cnn")
-    counted = bench_steps.count_flops(model, images.to("meta"), labels.to("meta"), "bf16")
+    counted = benchmark.count_flops(model, images.to("meta"), labels.to("meta"), "bf16")
     assert counted == real > 0
 
 
 def test_compile_failure_falls_back_to_eager(capsys):
     model = nn.Linear(4, 2)
-    same, compiled, reason = bench_steps.compile_or_fallback(model, True, "no_such_backend", torch.randn(2, 4))
+    same, compiled, reason = benchmark.compile_or_fallback(model, True, "no_such_backend", torch.randn(2, 4))
     assert same is model and not compiled and "no_such_backend" in reason
     assert "falling back to eager" in capsys.readouterr().out
 
 
 def test_compile_that_works_is_used():
     model = nn.Linear(4, 2)
-    result, compiled, reason = bench_steps.compile_or_fallback(model, True, "eager", torch.randn(2, 4))
+    result, compiled, reason = benchmark.compile_or_fallback(model, True, "eager", torch.randn(2, 4))
     assert compiled and reason == "compiled" and result is not model
     torch.testing.assert_close(result(torch.ones(1, 4)), model(torch.ones(1, 4)))
 
 
 def test_peak_lookup():
-    assert bench_steps.peak_tflops(torch.device("cpu"), "bf16") is None
-    assert bench_steps.peak_tflops(torch.device("cpu"), "bf16", given=1.5) == 1.5
-    assert bench_steps.lookup_peak("NVIDIA H100 80GB HBM3", "bf16") == 989.4
-    assert bench_steps.lookup_peak("NVIDIA H100 PCIe", "tf32") == 378.0
-    assert bench_steps.lookup_peak("NVIDIA H100 NVL", "bf16") == 835.5
-    assert bench_steps.lookup_peak("NVIDIA H200", "fp32") == 67.0
-    assert bench_steps.lookup_peak("NVIDIA A100-SXM4-80GB", "tf32") == 156.0
-    assert bench_steps.lookup_peak("Tesla T4", "bf16") is None
+    assert benchmark.peak_tflops(torch.device("cpu"), "bf16") is None
+    assert benchmark.peak_tflops(torch.device("cpu"), "bf16", given=1.5) == 1.5
+    assert benchmark.lookup_peak("NVIDIA H100 80GB HBM3", "bf16") == 989.4
+    assert benchmark.lookup_peak("NVIDIA H100 PCIe", "tf32") == 378.0
+    assert benchmark.lookup_peak("NVIDIA H100 NVL", "bf16") == 835.5
+    assert benchmark.lookup_peak("NVIDIA H200", "fp32") == 67.0
+    assert benchmark.lookup_peak("NVIDIA A100-SXM4-80GB", "tf32") == 156.0
+    assert benchmark.lookup_peak("Tesla T4", "bf16") is None
 
 
 def test_in_process_run_matches_the_command_line_options():
@@ -110,7 +111,7 @@ def test_timed_steps_bring_images_to_the_memory_format():
 
     model = Probe().to(memory_format=torch.channels_last)
     batches = iter([(torch.randn(2, 3, 4, 4), torch.randint(4, (2,)))] * 3)  # NCHW, as a DataLoader gives them
-    rows = bench_steps.timed_steps(model, batches, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"),
+    rows = benchmark.timed_steps(model, batches, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"),
                                    "fp32", steps=2, warmup=1, memory_format=torch.channels_last)
     assert seen == [True, True, True] and len(rows) == 2
     assert set(rows[0]) == {"data_s", "forward_s", "backward_s", "optimizer_s"}

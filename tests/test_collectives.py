@@ -5,9 +5,10 @@ import time
 import pytest
 import torch
 
-from labsrc import collectives, config, metrics
+from labsrc import collectives
+from labsrc.core import profiles, runs
 from labsrc.labs import collectives as collectives_lab
-from labsrc.testing import RankError, run_ranks
+from labsrc.core.forked import RankError, run_ranks
 
 
 def _sizes(world_size):
@@ -100,9 +101,9 @@ def test_a_ring_turned_backwards_gives_a_wrong_sum():
 
 
 def _lab_body(ctx, run_dir):
-    small = config.PROFILES["ci"].replace(sweep_sizes=(64, 4096, 65536), repeats=3)
+    small = profiles.PROFILES["ci"].replace(sweep_sizes=(64, 4096, 65536), repeats=3)
     collectives_lab.resolve_profile = lambda args: small  # this forked rank's copy only
-    records = metrics.RecordWriter(run_dir, ctx.rank)
+    records = runs.RecordWriter(run_dir, ctx.rank)
     try:
         return collectives_lab.collectives_lab(ctx, records, argparse.Namespace(profile=None))
     finally:
@@ -115,7 +116,7 @@ def test_lab_records_every_measurement_and_summarises_the_fits(tmp_path):
     for fit in [*summary["fits"].values(), *summary["fits_median"].values()]:
         assert set(fit) == {"alpha_s", "beta_s_per_byte", "r2"}
         assert fit["beta_s_per_byte"] > 0
-    records = metrics.read_records(tmp_path)
+    records = runs.read_records(tmp_path)
     timings = [r for r in records[0] if r["kind"] == "timing"]
     assert {(r["algorithm"], r["size"]) for r in timings} == {
         (a, s) for a in collectives.ALGORITHMS for s in (64, 4096, 65536)}
@@ -137,7 +138,7 @@ def test_a_wrong_default_neighbour_fails_the_check_within_its_timeout(monkeypatc
 
 
 def test_gloo_collectives_use_host_tensors_and_nccl_the_rank_gpu():
-    from labsrc.dist import RankContext
+    from labsrc.core.world import RankContext
     gloo_on_gpu = RankContext(0, 0, 2, torch.device("cuda", 0), "gloo")
     nccl = RankContext(1, 1, 2, torch.device("cuda", 1), "nccl")
     assert collectives.tensor_device(gloo_on_gpu) == torch.device("cpu")

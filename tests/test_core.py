@@ -6,25 +6,26 @@ import sys
 import pytest
 import torch
 
-from labsrc import config, data, dist as labdist, models, train
-from labsrc.testing import run_ranks
+from labsrc.core import profiles, world as labdist
+from labsrc.training import data, models, loop
+from labsrc.core.forked import run_ranks
 
 
 def test_profile_from_environment_wins_and_unknown_is_a_clear_error():
-    profile, reason = config.pick_profile({"LABSRC_PROFILE": "gpu"}, gpu_count=0, cpu_count=2)
+    profile, reason = profiles.pick_profile({"LABSRC_PROFILE": "gpu"}, gpu_count=0, cpu_count=2)
     assert profile.name == "gpu" and "LABSRC_PROFILE" in reason
-    with pytest.raises(config.ProfileError, match="not a profile.*ci"):
-        config.pick_profile({"LABSRC_PROFILE": "huge"}, gpu_count=0, cpu_count=2)
+    with pytest.raises(profiles.ProfileError, match="not a profile.*ci"):
+        profiles.pick_profile({"LABSRC_PROFILE": "huge"}, gpu_count=0, cpu_count=2)
 
 
 @pytest.mark.parametrize("gpus, cores, expected", [(0, 2, "ci"), (0, 8, "cpu"), (4, 8, "gpu")])
 def test_profile_from_hardware(gpus, cores, expected):
-    assert config.pick_profile({}, gpu_count=gpus, cpu_count=cores)[0].name == expected
+    assert profiles.pick_profile({}, gpu_count=gpus, cpu_count=cores)[0].name == expected
 
 
 def test_gpu_profile_uses_every_gpu():
-    assert config.PROFILES["gpu"].resolved_world_size(8) == 8
-    assert config.PROFILES["ci"].resolved_world_size(8) == 2
+    assert profiles.PROFILES["gpu"].resolved_world_size(8) == 8
+    assert profiles.PROFILES["ci"].resolved_world_size(8) == 2
 
 
 @pytest.mark.parametrize("ranks, gpus, requested, expected", [
@@ -50,7 +51,7 @@ def test_doctor_json_names_profile_and_backends():
     out = subprocess.run([sys.executable, "-m", "labsrc.doctor", "--json"], capture_output=True,
                          text=True, check=True).stdout
     report = json.loads(out)
-    assert report["profile"] in config.PROFILES
+    assert report["profile"] in profiles.PROFILES
     assert report["backends"]["gloo"] is True
     assert set(report["labs"]) >= {"00_setup", "01_dp_vs_ddp"}
 
@@ -63,7 +64,7 @@ def test_synthetic_images_are_deterministic_and_learnable():
     model = models.TinyCNN()
     ctx = labdist.RankContext(0, 0, 1, torch.device("cpu"), "gloo")
     batches = iter(data.DeviceBatches(first, 64, ctx, seed=0))
-    summary = train.train(model, batches, ctx, train.TrainConfig(steps=30, lr=0.05, log_every=10))
+    summary = loop.train(model, batches, ctx, loop.TrainConfig(steps=30, lr=0.05, log_every=10))
     assert summary["losses"][-1] < 0.5 * summary["losses"][0], summary["losses"]
 
 
@@ -91,7 +92,7 @@ def _loss_after_ddp_steps(ctx):
     torch.manual_seed(0)
     model = DDP(models.TinyCNN())
     batches = iter(data.DeviceBatches(data.synthetic_images(128, 8), 16, ctx))
-    summary = train.train(model, batches, ctx, train.TrainConfig(steps=3, log_every=2))
+    summary = loop.train(model, batches, ctx, loop.TrainConfig(steps=3, log_every=2))
     return [p.detach().clone() for p in model.parameters()], len(summary["losses"])
 
 
@@ -103,7 +104,7 @@ def test_training_loop_under_ddp_keeps_ranks_identical():
 
 
 def test_rerun_controls_call_the_same_function_with_the_chosen_values():
-    from labsrc.widgets import rerun_controls
+    from labsrc.core.widgets import rerun_controls
     calls = []
     panel = rerun_controls(lambda nproc, profile: calls.append((nproc, profile)) or nproc * 10,
                            nproc=([1, 2, 4], 2), profile=(["ci", "cpu"], "ci"))

@@ -7,10 +7,12 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from labsrc import data, metrics, sampling
-from labsrc.dist import RankContext
-from labsrc.labs import data_loading
-from labsrc.testing import run_ranks
+from labsrc.training import data
+from labsrc.core import runs
+from labsrc import data_loading
+from labsrc.core.world import RankContext
+from labsrc.labs import data_loading as data_loading_lab
+from labsrc.core.forked import run_ranks
 
 CPU = torch.device("cpu")
 
@@ -21,14 +23,14 @@ def rank_context(rank: int, world_size: int) -> RankContext:
 
 @pytest.mark.parametrize("size, world_size", [(10, 2), (10, 3), (12, 4), (7, 4)])
 def test_one_epoch_is_a_disjoint_cover_with_padding_counted(size, world_size):
-    orders = sampling.epoch_orders(size, world_size, epochs=1)
+    orders = data_loading.epoch_orders(size, world_size, epochs=1)
     per_rank = -(-size // world_size)
     assert all(len(order[0]) == per_rank for order in orders.values())
     read = [i for order in orders.values() for i in order[0]]
     assert set(read) == set(range(size))
     duplicates = len(read) - size
     assert duplicates == per_rank * world_size - size
-    assert (sampling.coverage(size, world_size, False)["duplicates"], 0) == (duplicates, 0)
+    assert (data_loading.coverage(size, world_size, False)["duplicates"], 0) == (duplicates, 0)
     if duplicates == 0:  # no padding: the shards are disjoint
         assert sum(len(set(order[0])) for order in orders.values()) == size
 
@@ -36,24 +38,24 @@ def test_one_epoch_is_a_disjoint_cover_with_padding_counted(size, world_size):
 @pytest.mark.parametrize("size, world_size", [(10, 3), (1001, 4), (64, 8), (5, 2)])
 def test_drop_last_drops_and_padding_duplicates_as_the_formula_says(size, world_size):
     for drop_last in (False, True):
-        counted = sampling.coverage(size, world_size, drop_last)
-        assert (counted["duplicates"], counted["dropped"]) == sampling.expected_coverage(size, world_size, drop_last)
+        counted = data_loading.coverage(size, world_size, drop_last)
+        assert (counted["duplicates"], counted["dropped"]) == data_loading.expected_coverage(size, world_size, drop_last)
         assert counted["read"] == counted["per_rank"] * world_size
     if drop_last:
-        shards = sampling.epoch_orders(size, world_size, 1, drop_last=True)
+        shards = data_loading.epoch_orders(size, world_size, 1, drop_last=True)
         read = [i for order in shards.values() for i in order[0]]
         assert len(read) == len(set(read)), "drop_last shards overlap"
 
 
 def test_drop_last_exact_counts_for_ten_samples_on_three_ranks():
-    padded, dropped = sampling.coverage(10, 3, False), sampling.coverage(10, 3, True)
+    padded, dropped = data_loading.coverage(10, 3, False), data_loading.coverage(10, 3, True)
     assert (padded["read"], padded["duplicates"], padded["dropped"]) == (12, 2, 0)
     assert (dropped["read"], dropped["duplicates"], dropped["dropped"]) == (9, 0, 1)
 
 
 def test_without_set_epoch_every_epoch_repeats():
-    with_epochs = sampling.epoch_orders(20, 2, epochs=3, set_epoch=True)
-    without = sampling.epoch_orders(20, 2, epochs=3, set_epoch=False)
+    with_epochs = data_loading.epoch_orders(20, 2, epochs=3, set_epoch=True)
+    without = data_loading.epoch_orders(20, 2, epochs=3, set_epoch=False)
     for rank in range(2):
         assert without[rank][0] == without[rank][1] == without[rank][2]
         assert len({tuple(order) for order in with_epochs[rank]}) == 3
@@ -71,10 +73,10 @@ def test_device_batches_use_the_distributed_sampler_partition():
 
 
 def test_slow_transform_costs_at_least_its_sleep_per_batch():
-    dataset = sampling.SlowTransform(data.synthetic_images(64, 8), cost_s=0.002)
+    dataset = data_loading.SlowTransform(data.synthetic_images(64, 8), cost_s=0.002)
     loader, sampler = data.make_loader(dataset, 8, rank_context(0, 1))
     seen = []
-    timing = sampling.time_batches(data.forever(loader, sampler), 3, CPU, lambda images, labels: seen.append(images.shape))
+    timing = data_loading.time_batches(data.forever(loader, sampler), 3, CPU, lambda images, labels: seen.append(images.shape))
     assert seen == [(8, 3, 8, 8)] * 4, "one warm-up step, then one compute call per timed step"
     assert len(timing["data_steps_s"]) == len(timing["compute_steps_s"]) == timing["steps"] == 3
     assert min(timing["data_steps_s"]) >= 8 * 0.002, "every batch of 8 sleeps 8 x 2 ms in this process"
@@ -83,7 +85,7 @@ def test_slow_transform_costs_at_least_its_sleep_per_batch():
 
 def test_worker_processes_deliver_the_same_batches_as_the_main_process():
     """Run here, not in run_ranks: forked test ranks are daemons, which may not start loader workers."""
-    dataset = sampling.SlowTransform(data.synthetic_images(48, 4), cost_s=0.001)
+    dataset = data_loading.SlowTransform(data.synthetic_images(48, 4), cost_s=0.001)
     batches = {}
     for workers in (0, 2):
         loader, sampler = data.make_loader(dataset, 8, rank_context(1, 2), num_workers=workers, seed=3)
@@ -97,21 +99,21 @@ def test_worker_processes_deliver_the_same_batches_as_the_main_process():
 
 def test_sweep_arms_offer_pin_memory_only_with_a_gpu():
     dataset = data.random_noise(8, image_size=2)
-    arms = data_loading.sweep_arms(rank_context(0, 1), dataset, 0.001, [0, 2])
+    arms = data_loading_lab.sweep_arms(rank_context(0, 1), dataset, 0.001, [0, 2])
     assert [arm["num_workers"] for arm in arms] == [0, 2, 0]
     assert not any(arm["pin_memory"] for arm in arms)
     if not torch.cuda.is_available():
         pytest.skip("pin_memory arm needs CUDA: no GPU here (the CPU arms were checked)")
     gpu = RankContext(0, 0, 1, torch.device("cuda", 0), "nccl")
-    assert [arm["pin_memory"] for arm in data_loading.sweep_arms(gpu, dataset, 0.001, [0])] == [False, False, True]
+    assert [arm["pin_memory"] for arm in data_loading_lab.sweep_arms(gpu, dataset, 0.001, [0])] == [False, False, True]
 
 
 def _lab_in_process(ctx, run_dir):
-    args = data_loading.make_parser().parse_args(
+    args = data_loading_lab.make_parser().parse_args(
         ["--profile", "ci", "--workers", "0", "--steps", "2", "--join-timeout-s", "1", "--cost-ms", "1"])
-    records = metrics.RecordWriter(run_dir, ctx.rank)
+    records = runs.RecordWriter(run_dir, ctx.rank)
     try:
-        return data_loading.data_loading_lab(ctx, records, args)
+        return data_loading_lab.data_loading_lab(ctx, records, args)
     finally:
         records.close()
 
@@ -121,7 +123,7 @@ def lab_run(tmp_path_factory):
     """The whole lab body once on 2 forked gloo ranks: (summary, {rank: records})."""
     run_dir = tmp_path_factory.mktemp("data_loading")
     summaries = run_ranks(_lab_in_process, 2, args=(run_dir,), timeout_s=90)
-    return summaries[0], metrics.read_records(run_dir)
+    return summaries[0], runs.read_records(run_dir)
 
 
 def _of_kind(records, kind):
@@ -133,7 +135,7 @@ def test_lab_records_each_ranks_own_sampler_orders(lab_run):
     for rank, rows in _of_kind(records, "partition").items():
         by_flag = {row["set_epoch"]: row["epochs"] for row in rows}
         for flag in (True, False):
-            expected = sampling.rank_epoch_orders(summary["dataset_size"], rank, 2, summary["epochs"], set_epoch=flag)
+            expected = data_loading.rank_epoch_orders(summary["dataset_size"], rank, 2, summary["epochs"], set_epoch=flag)
             assert by_flag[flag] == expected
 
 
@@ -143,9 +145,9 @@ def test_join_lets_uneven_ranks_finish_with_identical_parameters(lab_run):
     assert summary["batches_per_rank"] == [3, 4]
     assert [r["steps"] for r in joined] == summary["batches_per_rank"]
     assert joined[0]["weight"] == joined[1]["weight"]
-    reference = sampling.uneven_reference(summary["batches_per_rank"], seed=0)
+    reference = data_loading.uneven_reference(summary["batches_per_rank"], seed=0)
     torch.testing.assert_close(torch.tensor(joined[0]["weight"]), reference.flatten())
-    by_active = sampling.uneven_reference(summary["batches_per_rank"], seed=0, divide_by_initial_world_size=False)
+    by_active = data_loading.uneven_reference(summary["batches_per_rank"], seed=0, divide_by_initial_world_size=False)
     assert not torch.allclose(torch.tensor(joined[0]["weight"]), by_active.flatten()), "Join's default divisor"
 
 

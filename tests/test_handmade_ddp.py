@@ -5,16 +5,16 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import ddp_tools, handmade_ddp
+from labsrc import ddp_internals, handmade_ddp
 from labsrc.labs import ddp_internals as lab
 from labsrc.plots.ddp_internals import covered_ms, overlap_ms
-from labsrc.testing import run_ranks
+from labsrc.core.forked import run_ranks
 
 WIDTH, BATCH, STEPS = 32, 4, 3
 
 
 def _make(version: str):
-    model = ddp_tools.layered_model(layers=3, width=WIDTH)
+    model = ddp_internals.layered_model(layers=3, width=WIDTH)
     if version == "torch":
         return DDP(model)
     if version == "after_backward":
@@ -30,7 +30,7 @@ def _train_all(ctx):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         gradients = []
         for step in range(STEPS):
-            ddp_tools.one_step(model, *lab.rank_batch(ctx.rank, BATCH, WIDTH, step))
+            ddp_internals.one_step(model, *lab.rank_batch(ctx.rank, BATCH, WIDTH, step))
             if version == "after_backward":
                 model.sync_gradients()
             elif version == "buckets":
@@ -43,12 +43,12 @@ def _train_all(ctx):
 
 def _single_process(world_size: int):
     """One process, one model, every rank's batch at once: (grads per step, params)."""
-    model = ddp_tools.layered_model(layers=3, width=WIDTH)
+    model = ddp_internals.layered_model(layers=3, width=WIDTH)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     gradients = []
     for step in range(STEPS):
         batches = [lab.rank_batch(rank, BATCH, WIDTH, step) for rank in range(world_size)]
-        ddp_tools.one_step(model, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+        ddp_internals.one_step(model, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
         gradients.append([p.grad.clone() for p in model.parameters()])
         optimizer.step()
     return gradients, [p.detach().clone() for p in model.parameters()]
@@ -78,18 +78,18 @@ def test_bucket_rule_closes_at_the_cap_in_reverse_order():
 
 
 def _torch_ddp_bucket_counts(ctx, caps_mb, width):
-    parameters = list(ddp_tools.layered_model(layers=3, width=width).parameters())
+    parameters = list(ddp_internals.layered_model(layers=3, width=width).parameters())
     rows = []
     for cap in caps_mb:
-        model = DDP(ddp_tools.layered_model(layers=3, width=width), **({} if cap is None else {"bucket_cap_mb": cap}))
-        counter = ddp_tools.CommCounter()
-        model.register_comm_hook(counter, ddp_tools.counting_hook())
+        model = DDP(ddp_internals.layered_model(layers=3, width=width), **({} if cap is None else {"bucket_cap_mb": cap}))
+        counter = ddp_internals.CommCounter()
+        model.register_comm_hook(counter, ddp_internals.counting_hook())
         calls = []
         for step in range(3):
             counter.reset()
-            ddp_tools.one_step(model, *lab.rank_batch(ctx.rank, 2, width, step))
+            ddp_internals.one_step(model, *lab.rank_batch(ctx.rank, 2, width, step))
             calls.append(counter.calls)
-        first_cap, cap_bytes = ddp_tools.torch_ddp_caps(cap)
+        first_cap, cap_bytes = ddp_internals.torch_ddp_caps(cap)
         rows.append((calls, len(handmade_ddp.assign_buckets(parameters, cap_bytes, first_cap)), counter.bytes))
     return rows, sum(p.numel() * p.element_size() for p in parameters)
 
@@ -108,9 +108,9 @@ def test_torch_ddp_all_reduces_per_step_equal_the_predicted_buckets():
 
 
 def _bucketed_schedule(ctx):
-    model = handmade_ddp.BucketedDDP(ddp_tools.layered_model(layers=3, width=WIDTH), bucket_cap_mb=0.005)
+    model = handmade_ddp.BucketedDDP(ddp_internals.layered_model(layers=3, width=WIDTH), bucket_cap_mb=0.005)
     for step in range(2):
-        ddp_tools.one_step(model, *lab.rank_batch(ctx.rank, BATCH, WIDTH, step))
+        ddp_internals.one_step(model, *lab.rank_batch(ctx.rank, BATCH, WIDTH, step))
         model.finish_gradient_sync()
     return len(model.buckets), model.allreduce_calls, [name for name, _ in model.events]
 
@@ -139,12 +139,12 @@ class _UsedBackwards(torch.nn.Module):
 def _out_of_order(ctx):
     images, labels = lab.rank_batch(ctx.rank, BATCH, WIDTH)
     bucketed = handmade_ddp.BucketedDDP(_UsedBackwards(), bucket_cap_mb=0.001)
-    ddp_tools.one_step(bucketed, images, labels)
+    ddp_internals.one_step(bucketed, images, labels)
     launches = [name for name, _ in bucketed.events if name.startswith("all_reduce")]
     first_hook = bucketed.events[0][0]
     bucketed.finish_gradient_sync()
     plain = handmade_ddp.AllReduceAfterBackward(_UsedBackwards())
-    ddp_tools.one_step(plain, images, labels)
+    ddp_internals.one_step(plain, images, labels)
     plain.sync_gradients()
     return launches, first_hook, [p.grad for p in bucketed.parameters()], [p.grad for p in plain.parameters()]
 

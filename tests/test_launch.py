@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from labsrc import launch
-from labsrc.dist import RequestError
+from labsrc.core.world import RequestError
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ def runs(tmp_path, monkeypatch):
 def test_failing_rank_is_named_with_its_traceback_quickly(runs):
     start = time.perf_counter()
     with pytest.raises(launch.RankFailed) as caught:
-        launch.run("allreduce_ranks", nproc=2, args=["--hold-s", "60", "--fail-rank", "1",
+        launch.run("setup", nproc=2, args=["--hold-s", "60", "--fail-rank", "1",
                                                      "--fail-after-s", "1"], timeout=90, echo=False)
     elapsed = time.perf_counter() - start
     assert caught.value.rank == 1
@@ -36,7 +36,7 @@ def test_failing_rank_is_named_with_its_traceback_quickly(runs):
 
 def test_timeout_ends_every_process(runs):
     with pytest.raises(launch.LaunchTimeout) as caught:
-        launch.run("allreduce_ranks", nproc=2, args=["--hold-s", "60"], timeout=10, echo=False)
+        launch.run("setup", nproc=2, args=["--hold-s", "60"], timeout=10, echo=False)
     result = caught.value.result
     assert launch.processes_of_run(result.run_dir.name, None) == []
     steps = [r["step"] for r in result.of_kind("progress")]
@@ -45,12 +45,12 @@ def test_timeout_ends_every_process(runs):
 
 def test_sigint_to_the_shell_launcher_leaves_no_process(runs):
     command = [sys.executable, "-m", "labsrc.launch", "--nproc", "2", "--timeout", "120",
-               "allreduce_ranks", "--", "--hold-s", "60"]
+               "setup", "--", "--hold-s", "60"]
     proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 60
     run_dir = None
     while time.time() < deadline:
-        found = list(Path(runs).glob("allreduce_ranks/*/rank1.jsonl"))
+        found = list(Path(runs).glob("setup/*/rank1.jsonl"))
         if found and "progress" in found[0].read_text():
             run_dir = found[0].parent
             break
@@ -67,7 +67,7 @@ def test_two_launches_at_once_do_not_clash_and_both_return_their_records(runs):
 
     def one():
         try:
-            results.append(launch.run("allreduce_ranks", nproc=2, timeout=120, echo=False))
+            results.append(launch.run("setup", nproc=2, timeout=120, echo=False))
         except Exception as exc:  # collected and asserted below
             errors.append(exc)
 
@@ -92,7 +92,7 @@ def test_busy_port_is_refused_before_anything_starts(runs):
         holder.listen()
         port = holder.getsockname()[1]
         with pytest.raises(RequestError, match=f"port {port}.*in use"):
-            launch.run("allreduce_ranks", nproc=2, port=port)
+            launch.run("setup", nproc=2, port=port)
     assert not any(Path(runs).glob("*/*")), "a run directory was made for a refused launch"
 
 
@@ -103,4 +103,4 @@ def test_busy_port_is_refused_before_anything_starts(runs):
 ])
 def test_impossible_requests_fail_with_advice(runs, nproc, backend, message):
     with pytest.raises(RequestError, match=message):
-        launch.run("allreduce_ranks", nproc=nproc, backend=backend)
+        launch.run("setup", nproc=nproc, backend=backend)

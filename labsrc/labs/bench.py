@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from labsrc.labs.common import run_lab
+from labsrc.core.lab import run_lab
 
 
 def bench_lab(ctx, records, options) -> dict:

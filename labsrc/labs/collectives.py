@@ -7,7 +7,7 @@ from __future__ import annotations
 import statistics
 
 from labsrc import alpha_beta, collectives
-from labsrc.labs.common import base_parser, resolve_profile, run_lab
+from labsrc.core.lab import base_parser, resolve_profile, run_lab
 
 
 def check_sizes(world_size: int) -> list[int]:

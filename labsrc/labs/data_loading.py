@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from labsrc import data, sampling
-from labsrc.labs.common import base_parser, resolve_profile, run_lab
-from labsrc.models import build_model
+from labsrc.training import data
+from labsrc import data_loading
+from labsrc.core.lab import base_parser, resolve_profile, run_lab
+from labsrc.training.models import build_model
 
 
 def default_workers(profile) -> list[int]:
@@ -20,7 +21,7 @@ def default_workers(profile) -> list[int]:
 def sweep_arms(ctx, dataset, cost_s: float, workers: list[int]) -> list[dict]:
     """The loaders to time: the slow transform with each num_workers, without it (pin_memory on and off
     where there is a GPU), each arm as {name, dataset, num_workers, pin_memory, transform_cost_s}."""
-    slow = sampling.SlowTransform(dataset, cost_s)
+    slow = data_loading.SlowTransform(dataset, cost_s)
     arms = [{"name": f"slow transform, {count} worker(s)", "dataset": slow, "num_workers": count,
              "pin_memory": False, "transform_cost_s": cost_s} for count in workers]
     pins = [False, True] if ctx.device.type == "cuda" else [False]
@@ -48,13 +49,13 @@ def throughput_sweep(ctx, records, profile, cost_s: float, workers: list[int], s
     for index, arm in enumerate(arms):
         loader, sampler = data.make_loader(arm["dataset"], batch, ctx, num_workers=arm["num_workers"],
                                            seed=seed, pin_memory=arm["pin_memory"])
-        timing = sampling.time_batches(data.forever(loader, sampler), steps, ctx.device, step)
+        timing = data_loading.time_batches(data.forever(loader, sampler), steps, ctx.device, step)
         records.write("throughput", arm=arm["name"], num_workers=arm["num_workers"], pin_memory=arm["pin_memory"],
                       batch=batch, transform_cost_s=arm["transform_cost_s"], **timing)
         records.progress(index + 1, len(arms) + 1)
         del loader, sampler  # ends this arm's worker processes before the next arm is timed
     resident = data.DeviceBatches(dataset, batch, ctx, seed=seed)
-    timing = sampling.time_batches(resident, steps, ctx.device, step)
+    timing = data_loading.time_batches(resident, steps, ctx.device, step)
     records.write("throughput", arm="resident on the device", num_workers=0, pin_memory=False, batch=batch,
                   transform_cost_s=0.0, **timing)
     records.progress(len(arms) + 1, len(arms) + 1)
@@ -63,14 +64,14 @@ def throughput_sweep(ctx, records, profile, cost_s: float, workers: list[int], s
 def data_loading_lab(ctx, records, args) -> dict:
     profile = resolve_profile(args)
     for set_epoch in (True, False):
-        orders = sampling.rank_epoch_orders(args.dataset_size, ctx.rank, ctx.world_size, args.epochs,
+        orders = data_loading.rank_epoch_orders(args.dataset_size, ctx.rank, ctx.world_size, args.epochs,
                                             set_epoch=set_epoch, seed=args.seed)
         records.write("partition", set_epoch=set_epoch, epochs=orders)
     batches = [args.uneven_base + rank for rank in range(ctx.world_size)]
     if ctx.world_size > 1:
-        stuck = sampling.train_uneven_without_join(ctx, batches, args.join_timeout_s, args.seed)
+        stuck = data_loading.train_uneven_without_join(ctx, batches, args.join_timeout_s, args.seed)
         records.write("no_join", **stuck)
-    joined = sampling.train_uneven_with_join(ctx, batches, args.seed)
+    joined = data_loading.train_uneven_with_join(ctx, batches, args.seed)
     records.write("join", steps=joined["steps"], weight=joined["weight"].flatten().tolist())
     workers = args.workers or default_workers(profile)
     throughput_sweep(ctx, records, profile, args.cost_ms / 1000, workers, args.steps, args.seed)

@@ -13,8 +13,9 @@ import torch
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import ddp_tools, handmade_ddp, metrics, sync
-from labsrc.labs.common import base_parser, resolve_profile, run_lab
+from labsrc import ddp_internals, handmade_ddp, dp_vs_ddp
+from labsrc.core import runs
+from labsrc.core.lab import base_parser, resolve_profile, run_lab
 
 PARTS = ("equivalence", "buckets", "no_sync", "settings", "overlap")
 
@@ -33,7 +34,7 @@ def layer_width(profile) -> int:
 
 def equivalence(ctx, records, width: int, batch: int, steps: int = 3) -> None:
     """Handmade (a) and (b), torch DDP and one process on the union of the batches, after `steps` SGD steps."""
-    make = lambda: ddp_tools.layered_model(width=width).to(ctx.device)
+    make = lambda: ddp_internals.layered_model(width=width).to(ctx.device)
     models = {"torch DDP": DDP(make()), "handmade: all-reduce after backward": handmade_ddp.AllReduceAfterBackward(make()),
               "handmade: buckets from hooks": handmade_ddp.BucketedDDP(make(), bucket_cap_mb=0.1)}
     single = make()
@@ -41,14 +42,14 @@ def equivalence(ctx, records, width: int, batch: int, steps: int = 3) -> None:
     for step in range(steps):
         images, labels = rank_batch(ctx.rank, batch, width, step, ctx.device)
         for name, model in models.items():
-            ddp_tools.one_step(model, images, labels)
+            ddp_internals.one_step(model, images, labels)
             if isinstance(model, handmade_ddp.AllReduceAfterBackward):
                 model.sync_gradients()
             elif isinstance(model, handmade_ddp.BucketedDDP):
                 model.finish_gradient_sync()
             optimizers[name].step()
         everyone = [rank_batch(rank, batch, width, step, ctx.device) for rank in range(ctx.world_size)]
-        ddp_tools.one_step(single, torch.cat([b[0] for b in everyone]), torch.cat([b[1] for b in everyone]))
+        ddp_internals.one_step(single, torch.cat([b[0] for b in everyone]), torch.cat([b[1] for b in everyone]))
         optimizers["single"].step()
     reference = dict(single.named_parameters())
     torch_ddp = {k.removeprefix("module."): p for k, p in models["torch DDP"].named_parameters()}
@@ -56,30 +57,30 @@ def equivalence(ctx, records, width: int, batch: int, steps: int = 3) -> None:
         mine = {k.removeprefix("module."): p for k, p in model.named_parameters()}
         calls = getattr(model, "allreduce_calls", None)
         records.write("equivalence", version=name, steps=steps,
-                      params_vs_single_process=sync.largest_gap(mine, reference),
-                      params_vs_torch_ddp=sync.largest_gap(mine, torch_ddp),
-                      grads_vs_single_process=sync.largest_gap(sync.gradients(model), sync.gradients(single)),
-                      grads_vs_torch_ddp=sync.largest_gap(sync.gradients(model), sync.gradients(models["torch DDP"])),
+                      params_vs_single_process=dp_vs_ddp.largest_gap(mine, reference),
+                      params_vs_torch_ddp=dp_vs_ddp.largest_gap(mine, torch_ddp),
+                      grads_vs_single_process=dp_vs_ddp.largest_gap(dp_vs_ddp.gradients(model), dp_vs_ddp.gradients(single)),
+                      grads_vs_torch_ddp=dp_vs_ddp.largest_gap(dp_vs_ddp.gradients(model), dp_vs_ddp.gradients(models["torch DDP"])),
                       allreduce_calls_per_step=None if calls is None else calls // steps,
                       parameters=len(mine), buckets=len(getattr(model, "buckets", [])) or None)
 
 
 def bucket_sweep(ctx, records, width: int, batch: int, caps_mb: list[float], repeats: int) -> None:
     """torch DDP's all-reduce calls per step and step time for each bucket_cap_mb, beside the buckets predicted."""
-    parameters = list(ddp_tools.layered_model(width=width).parameters())
+    parameters = list(ddp_internals.layered_model(width=width).parameters())
     for cap in caps_mb:
-        model = DDP(ddp_tools.layered_model(width=width).to(ctx.device), bucket_cap_mb=cap)
-        counter = ddp_tools.CommCounter()
-        model.register_comm_hook(counter, ddp_tools.counting_hook())
+        model = DDP(ddp_internals.layered_model(width=width).to(ctx.device), bucket_cap_mb=cap)
+        counter = ddp_internals.CommCounter()
+        model.register_comm_hook(counter, ddp_internals.counting_hook())
         seconds, calls = [], []
         for step in range(repeats + 1):  # step 0: one bucket, then DDP rebuilds them in gradient-ready order
             images, labels = rank_batch(ctx.rank, batch, width, step, ctx.device)
             counter.reset()
-            with metrics.timed(ctx.device) as elapsed:
-                ddp_tools.one_step(model, images, labels)
+            with runs.timed(ctx.device) as elapsed:
+                ddp_internals.one_step(model, images, labels)
             seconds.append(elapsed["s"])
             calls.append(counter.calls)
-        first_cap, cap_bytes = ddp_tools.torch_ddp_caps(cap)
+        first_cap, cap_bytes = ddp_internals.torch_ddp_caps(cap)
         records.write("buckets", cap_mb=cap, allreduce_calls=calls[-1], calls_per_step=calls,
                       step_s=statistics.median(seconds[1:]), bytes_per_step=counter.bytes,
                       gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
@@ -108,43 +109,43 @@ def accumulate(model, batches, counter, forward_inside: bool = True) -> list[int
 
 def accumulation(ctx, records, width: int, batch: int, micro_steps: int, bucket_cap_mb: float = 0.1) -> None:
     """k micro-batches with no_sync on the first k-1: all-reduces counted, gradient vs one large batch."""
-    model = DDP(ddp_tools.layered_model(width=width).to(ctx.device), bucket_cap_mb=bucket_cap_mb)
-    counter = ddp_tools.CommCounter()
-    model.register_comm_hook(counter, ddp_tools.counting_hook())
+    model = DDP(ddp_internals.layered_model(width=width).to(ctx.device), bucket_cap_mb=bucket_cap_mb)
+    counter = ddp_internals.CommCounter()
+    model.register_comm_hook(counter, ddp_internals.counting_hook())
     batches = [rank_batch(ctx.rank, max(1, batch // micro_steps), width, step, ctx.device)
                for step in range(micro_steps)]
-    ddp_tools.one_step(model, *batches[0])  # let DDP rebuild its buckets first
+    ddp_internals.one_step(model, *batches[0])  # let DDP rebuild its buckets first
     calls_wrong = accumulate(model, batches, counter, forward_inside=False)
     calls = accumulate(model, batches, counter, forward_inside=True)
-    accumulated = sync.gradients(model)
+    accumulated = dp_vs_ddp.gradients(model)
     large = copy.deepcopy(model)
-    ddp_tools.one_step(large, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+    ddp_internals.one_step(large, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
     records.write("no_sync", micro_steps=micro_steps, calls_per_micro_step=calls,
                   calls_with_forward_outside_no_sync=calls_wrong, buckets_per_step=counter.calls,
-                  vs_large_batch=sync.largest_gap(accumulated, sync.gradients(large)))
+                  vs_large_batch=dp_vs_ddp.largest_gap(accumulated, dp_vs_ddp.gradients(large)))
 
 
 def settings(ctx, records, width: int, batch: int) -> None:
     """Unused parameters (and static_graph), gradient_as_bucket_view, compression hooks."""
     images, labels = rank_batch(ctx.rank, batch, 16, 0, ctx.device)
-    records.write("unused_parameters", **ddp_tools.unused_parameter_outcomes(images, labels))
+    records.write("unused_parameters", **ddp_internals.unused_parameter_outcomes(images, labels))
     images, labels = rank_batch(ctx.rank, batch, width, 0, ctx.device)
-    make = lambda: ddp_tools.layered_model(width=width).to(ctx.device)
-    records.write("bucket_view", **ddp_tools.bucket_view_comparison(make, images, labels, bucket_cap_mb=0.1))
-    records.write("compression", **ddp_tools.compression_comparison(make, images, labels))
+    make = lambda: ddp_internals.layered_model(width=width).to(ctx.device)
+    records.write("bucket_view", **ddp_internals.bucket_view_comparison(make, images, labels, bucket_cap_mb=0.1))
+    records.write("compression", **ddp_internals.compression_comparison(make, images, labels))
 
 
 def overlap(ctx, records, width: int, batch: int, run_dir: str, bucket_cap_mb: float = 0.25) -> None:
     """A profiled DDP step (small buckets, so several all-reduces run during backward) and the handmade schedule."""
-    make = lambda: ddp_tools.layered_model(layers=8, width=2 * width).to(ctx.device)
+    make = lambda: ddp_internals.layered_model(layers=8, width=2 * width).to(ctx.device)
     model = DDP(make(), bucket_cap_mb=bucket_cap_mb)
     images, labels = rank_batch(ctx.rank, batch, 2 * width, 0, ctx.device)
-    ddp_tools.one_step(model, images, labels)  # warm-up and bucket rebuild
+    ddp_internals.one_step(model, images, labels)  # warm-up and bucket rebuild
     trace = os.path.join(run_dir, f"rank{ctx.rank}.pt.trace.json")
-    records.write("profile", trace=trace, spans=ddp_tools.profiled_step(model, images, labels, trace))
+    records.write("profile", trace=trace, spans=ddp_internals.profiled_step(model, images, labels, trace))
     handmade = handmade_ddp.BucketedDDP(make(), bucket_cap_mb=bucket_cap_mb)
     for _ in range(2):  # the second step is recorded: nothing left to warm up
-        ddp_tools.one_step(handmade, images, labels)
+        ddp_internals.one_step(handmade, images, labels)
         handmade.finish_gradient_sync()
     origin = handmade.events[0][1]
     records.write("handmade_schedule", buckets=len(handmade.buckets),

@@ -7,9 +7,10 @@ from __future__ import annotations
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import bench_steps, data, precision, sync
-from labsrc.labs.common import base_parser, resolve_profile, run_lab
-from labsrc.models import build_model
+from labsrc.training import benchmark, data
+from labsrc import mixed_precision, dp_vs_ddp
+from labsrc.core.lab import base_parser, resolve_profile, run_lab
+from labsrc.training.models import build_model
 
 
 def modes_for(device: torch.device) -> tuple[list[str], dict[str, str]]:
@@ -43,11 +44,11 @@ def amp_ddp_accumulation(ctx, records, profile, micro_steps: int, seed: int) -> 
     batches = iter(data.DeviceBatches(dataset, micro_batch, ctx, seed=seed))
     for step in range(profile.steps):
         micro_batches = [next(batches) for _ in range(micro_steps)]
-        loss = precision.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode)
+        loss = mixed_precision.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode)
         scale = torch.tensor([scaler.get_scale() if scaler.is_enabled() else 1.0], device=ctx.device)
         records.write("amp_step", step=step, loss=loss.item(), mode=mode, micro_batch=micro_batch,
-                      scale=scale.item(), scale_spread=sync.spread_across_ranks([scale]),
-                      parameter_spread=sync.spread_across_ranks(list(model.parameters())))
+                      scale=scale.item(), scale_spread=dp_vs_ddp.spread_across_ranks([scale]),
+                      parameter_spread=dp_vs_ddp.spread_across_ranks(list(model.parameters())))
         records.progress(step + 1, profile.steps)
     return mode
 
@@ -57,7 +58,7 @@ def mixed_precision_lab(ctx, records, args) -> dict:
     modes, skipped = modes_for(ctx.device)
     dataset = data.synthetic_images(profile.global_batch, profile.image_size, seed=args.seed)
     images, labels = (t.to(ctx.device) for t in dataset.tensors)
-    costs = precision.mode_costs(lambda: build_model(profile.model), images, labels, modes, ctx)
+    costs = mixed_precision.mode_costs(lambda: build_model(profile.model), images, labels, modes, ctx)
     for mode, cost in costs.items():
         records.write("mode", mode=mode, **cost)
     for mode, reason in skipped.items():
@@ -66,7 +67,7 @@ def mixed_precision_lab(ctx, records, args) -> dict:
     return {"profile": profile.name, "model": profile.model, "batch": profile.global_batch,
             "image_size": profile.image_size, "modes": costs, "skipped_modes": skipped,
             "micro_steps": args.micro_steps, "amp_ddp_mode": amp_mode,
-            "provenance": bench_steps.provenance(ctx.device)}
+            "provenance": benchmark.provenance(ctx.device)}
 
 
 def launch_mixed_precision(nproc: int, profile: str | None = None, micro_steps: int = 2, timeout: float = 300.0):

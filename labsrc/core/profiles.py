@@ -84,7 +84,7 @@ def pick_profile(environ: dict | None = None, gpu_count: int | None = None,
             )
         return PROFILES[requested], f"{PROFILE_ENV}={requested} was set"
     if gpu_count is None:
-        from labsrc.dist import gpu_count as count_gpus
+        from labsrc.core.world import gpu_count as count_gpus
         gpu_count = count_gpus()
     cpu_count = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
     if gpu_count > 0:

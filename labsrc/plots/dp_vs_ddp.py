@@ -1,4 +1,4 @@
-"""Figures of the sync experiment (notebook 01), drawn from the ddp_sync lab's records."""
+"""Figures of the sync experiment (notebook 01), drawn from the dp_vs_ddp lab's records."""
 from __future__ import annotations
 
 import statistics

@@ -40,7 +40,7 @@ def random_noise(num_samples: int, image_size: int = 32, num_classes: int = 10, 
 
 def data_root() -> Path:
     """Where on-disk datasets are looked for: $LABSRC_DATA, else data/ at the top of the checkout."""
-    return Path(os.environ.get("LABSRC_DATA") or Path(__file__).resolve().parents[1] / "data")
+    return Path(os.environ.get("LABSRC_DATA") or Path(__file__).resolve().parents[2] / "data")
 
 
 def cifar10_transform(train: bool):

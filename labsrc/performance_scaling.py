@@ -8,7 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from labsrc.alpha_beta import AlphaBeta, ring_allreduce_time_s
-from labsrc.metrics import synchronize
+from labsrc.training.timing import synchronize
 
 # Link models for extrapolation. These are model inputs, not measurements:
 # - NVLink 4 on H100 SXM: 900 GB/s total per GPU, i.e. 450 GB/s each way (NVIDIA H100 datasheet).

@@ -1,6 +1,6 @@
 """Scaling on n ranks: DDP step time and the same step without communication, per batch size, and an all-reduce fit.
 
-    torchrun --nproc-per-node 2 -m labsrc.labs.scaling --profile ci --batches 32 64
+    torchrun --nproc-per-node 2 -m labsrc.labs.performance_scaling --profile ci --batches 32 64
 """
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import gc
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import alpha_beta, collectives, data, scaling
-from labsrc.labs.common import base_parser, resolve_profile, run_lab
-from labsrc.models import build_model
+from labsrc import alpha_beta, collectives, performance_scaling
+from labsrc.training import data
+from labsrc.core.lab import base_parser, resolve_profile, run_lab
+from labsrc.training.models import build_model
 
 
 def measure(ctx, profile, per_rank_batch: int, steps: int, seed: int = 0, ddp: bool = True) -> dict:
@@ -23,11 +24,11 @@ def measure(ctx, profile, per_rank_batch: int, steps: int, seed: int = 0, ddp: b
     dataset = data.synthetic_images(max(profile.num_samples, 4 * per_rank_batch), profile.image_size, seed=seed)
     batches = iter(data.DeviceBatches(dataset, per_rank_batch, ctx.__class__(0, 0, 1, ctx.device, ""), seed=seed))
     if ddp:
-        step_s, local_s = scaling.paired_step_times(wrapped, batches, optimizer, ctx.device, steps, wrapped.no_sync)
+        step_s, local_s = performance_scaling.paired_step_times(wrapped, batches, optimizer, ctx.device, steps, wrapped.no_sync)
     else:
-        step_s = local_s = scaling.step_times(wrapped, batches, optimizer, ctx.device, steps)
+        step_s = local_s = performance_scaling.step_times(wrapped, batches, optimizer, ctx.device, steps)
     return {"per_rank_batch": per_rank_batch, "step_s": step_s, "local_step_s": local_s,
-            "gradient_bytes": scaling.gradient_bytes(model)}
+            "gradient_bytes": performance_scaling.gradient_bytes(model)}
 
 
 def scaling_lab(ctx, records, args) -> dict:
@@ -56,14 +57,14 @@ def launch_scaling(nproc: int, batches: tuple | str, steps: int = 5, profile: st
     if isinstance(batches, str):
         batches = tuple(int(b) for b in batches.split())
     args = ["--batches", *batches, "--steps", steps] + (["--profile", profile] if profile else [])
-    return launch.run("scaling", nproc=nproc, args=args, timeout=timeout)
+    return launch.run("performance_scaling", nproc=nproc, args=args, timeout=timeout)
 
 
 def main(argv=None):
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", required=True, help="per-rank batch sizes to time")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
-    return run_lab("scaling", scaling_lab, parser.parse_args(argv))
+    return run_lab("performance_scaling", scaling_lab, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -3,15 +3,15 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import precision, sync
-from labsrc.dist import RankContext
+from labsrc import mixed_precision, dp_vs_ddp
+from labsrc.core.world import RankContext
 from labsrc.labs.mixed_precision import modes_for
-from labsrc.models import TinyCNN
-from labsrc.testing import run_ranks
+from labsrc.training.models import TinyCNN
+from labsrc.core.forked import run_ranks
 
 
 def test_formats_differ_where_they_should():
-    table = precision.format_table()
+    table = mixed_precision.format_table()
     assert table["fp16"]["max"] == 65504.0 and table["bf16"]["max"] > 3e38  # bf16: fp32's 8 exponent bits
     assert table["bf16"]["smallest_normal"] == table["fp32"]["smallest_normal"] == 2.0**-126
     assert table["bf16"]["eps"] == 2**-7 and table["fp16"]["eps"] == 2**-10
@@ -21,13 +21,13 @@ def test_formats_differ_where_they_should():
 
 
 def test_bf16_rounds_about_eight_times_coarser_than_fp16():
-    bf16, fp16 = precision.rounding_error(torch.bfloat16), precision.rounding_error(torch.float16)
-    assert precision.rounding_error(torch.float32) == 0.0
+    bf16, fp16 = mixed_precision.rounding_error(torch.bfloat16), mixed_precision.rounding_error(torch.float16)
+    assert mixed_precision.rounding_error(torch.float32) == 0.0
     assert 4 < bf16 / fp16 < 16  # three fewer mantissa bits: 2^3
 
 
 def test_grad_scaler_recovers_what_fp16_loses():
-    lost = precision.underflow()
+    lost = mixed_precision.underflow()
     assert lost["fp32"]["lost_fraction"] == 0.0 and lost["fp32"]["zero_fraction"] < 0.05
     assert lost["fp16, no scaling"]["zero_fraction"] == 1.0
     assert lost["fp16 + GradScaler"]["lost_fraction"] < 0.01
@@ -36,18 +36,18 @@ def test_grad_scaler_recovers_what_fp16_loses():
 
 
 def test_expected_scales_follow_the_rule():
-    assert precision.expected_scales(7, {3}, 8.0, 2) == [8, 8, 16, 16, 8, 8, 16]
+    assert mixed_precision.expected_scales(7, {3}, 8.0, 2) == [8, 8, 16, 16, 8, 8, 16]
 
 
 def test_scaler_skips_exactly_the_overflowing_steps_and_follows_the_rule():
-    trace = precision.scaler_trace(steps=12, overflow_steps=(5,), growth_interval=2)
+    trace = mixed_precision.scaler_trace(steps=12, overflow_steps=(5,), growth_interval=2)
     assert [r["step"] for r in trace if r["skipped"]] == [5]
     assert [r["step"] for r in trace if not r["parameters_changed"]] == [5]
-    assert [r["scale"] for r in trace] == precision.expected_scales(12, (5,), 2.0**10, 2)
+    assert [r["scale"] for r in trace] == mixed_precision.expected_scales(12, (5,), 2.0**10, 2)
 
 
 def test_clip_sees_exactly_scale_times_the_norm_without_unscale():
-    clip = precision.clipping_with_and_without_unscale(scale=2.0**8)
+    clip = mixed_precision.clipping_with_and_without_unscale(scale=2.0**8)
     assert clip["without unscale_"]["norm_seen_by_clip"] == 2.0**8 * clip["with unscale_"]["norm_seen_by_clip"]
     assert clip["without unscale_"]["norm_applied"] < clip["with unscale_"]["norm_applied"]
 
@@ -55,8 +55,8 @@ def test_clip_sees_exactly_scale_times_the_norm_without_unscale():
 @pytest.mark.parametrize("mode", ["bf16", "fp16"])
 def test_autocast_saves_the_same_elements_in_half_the_bytes(mode):
     images, labels = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
-    fp32 = precision.saved_activation_bytes(TinyCNN(), images, labels, "fp32")
-    half = precision.saved_activation_bytes(TinyCNN(), images, labels, mode)
+    fp32 = mixed_precision.saved_activation_bytes(TinyCNN(), images, labels, "fp32")
+    half = mixed_precision.saved_activation_bytes(TinyCNN(), images, labels, mode)
     sixteen_bit = half["bfloat16" if mode == "bf16" else "float16"]
     assert half["elements"] == fp32["elements"]
     assert fp32["total"] - half["total"] == sixteen_bit  # each 16-bit element saved 2 of its 4 bytes
@@ -65,7 +65,7 @@ def test_autocast_saves_the_same_elements_in_half_the_bytes(mode):
 def test_mode_costs_report_every_mode():
     images, labels = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
     ctx = RankContext(0, 0, 1, torch.device("cpu"), "gloo")
-    costs = precision.mode_costs(TinyCNN, images, labels, ["fp32", "bf16", "fp16"], ctx, steps=2)
+    costs = mixed_precision.mode_costs(TinyCNN, images, labels, ["fp32", "bf16", "fp16"], ctx, steps=2)
     assert set(costs) == {"fp32", "bf16", "fp16"} and all(len(c["step_times_s"]) == 2 for c in costs.values())
     assert all(len(c["losses"]) == 3 for c in costs.values())
     first = {mode: c["losses"][0] for mode, c in costs.items()}  # the same model and batch: agree to 16-bit precision
@@ -89,8 +89,8 @@ def _amp_ddp_training(ctx, mode: str, steps: int = 6, micro_steps: int = 2):
     micro_batches = list(zip(images.chunk(micro_steps), labels.chunk(micro_steps)))
     losses, spreads = [], []
     for _ in range(steps):
-        losses.append(precision.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode).item())
-        spreads.append(sync.spread_across_ranks(list(model.parameters())))
+        losses.append(mixed_precision.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode).item())
+        spreads.append(dp_vs_ddp.spread_across_ranks(list(model.parameters())))
     return losses, spreads, scaler.get_scale() if scaler.is_enabled() else None
 
 
@@ -109,9 +109,9 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 @needs_gpu
 def test_cuda_fp16_underflow_and_unscale_ratio():
     device = torch.device("cuda", 0)
-    lost = precision.underflow(device=device)
+    lost = mixed_precision.underflow(device=device)
     assert lost["fp16, no scaling"]["zero_fraction"] == 1.0 and lost["fp16 + GradScaler"]["lost_fraction"] < 0.01
-    clip = precision.clipping_with_and_without_unscale(scale=2.0**8, device=device)
+    clip = mixed_precision.clipping_with_and_without_unscale(scale=2.0**8, device=device)
     assert clip["without unscale_"]["norm_seen_by_clip"] == 2.0**8 * clip["with unscale_"]["norm_seen_by_clip"]
 
 
@@ -122,6 +122,6 @@ def test_cuda_modes_report_peak_memory_and_event_timing():
     assert modes[0] == "fp32" and modes[-1] == "fp16" and set(modes) | set(skipped) == {"fp32", "tf32", "bf16", "fp16"}
     ctx = RankContext(0, 0, 1, device, "nccl")
     images, labels = torch.randn(32, 3, 16, 16, device=device), torch.randint(10, (32,), device=device)
-    costs = precision.mode_costs(TinyCNN, images, labels, modes, ctx, steps=2)
+    costs = mixed_precision.mode_costs(TinyCNN, images, labels, modes, ctx, steps=2)
     assert all(c["peak_memory_bytes"] > 0 and c["step_s"] > 0 for c in costs.values())
     assert torch.backends.cuda.matmul.allow_tf32 is False  # mode_costs leaves tf32 off again

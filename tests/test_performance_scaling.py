@@ -4,27 +4,27 @@ import argparse
 import pytest
 import torch
 
-from labsrc import scaling
+from labsrc import performance_scaling
 from labsrc.alpha_beta import AlphaBeta, fit, ring_allreduce_time_s
 
 
 def test_strong_and_weak_scaling():
-    assert scaling.strong_scaling({1: 10.0, 2: 5.0, 4: 4.0})[4] == {"speedup": 2.5, "efficiency": 0.625}
-    assert scaling.weak_scaling({1: 10.0, 4: 12.5})[4] == {"speedup": 3.2, "efficiency": 0.8}
+    assert performance_scaling.strong_scaling({1: 10.0, 2: 5.0, 4: 4.0})[4] == {"speedup": 2.5, "efficiency": 0.625}
+    assert performance_scaling.weak_scaling({1: 10.0, 4: 12.5})[4] == {"speedup": 3.2, "efficiency": 0.8}
 
 
 def test_learning_rate_rules():
-    assert scaling.scaled_lr(0.1, 256, 1024) == pytest.approx(0.4)
-    assert [scaling.warmup_lr(s, 1.0, 4) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert performance_scaling.scaled_lr(0.1, 256, 1024) == pytest.approx(0.4)
+    assert [performance_scaling.warmup_lr(s, 1.0, 4) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
 
 
 def test_prediction_bounds_and_extrapolation():
     link = AlphaBeta(1e-5, 1e-10, 1.0)
-    upper = scaling.predict_step_s(0.01, 4e7, 8, link, overlap=0.0)
-    lower = scaling.predict_step_s(0.01, 4e7, 8, link, overlap=1.0)
+    upper = performance_scaling.predict_step_s(0.01, 4e7, 8, link, overlap=0.0)
+    lower = performance_scaling.predict_step_s(0.01, 4e7, 8, link, overlap=1.0)
     assert upper == pytest.approx(0.01 + ring_allreduce_time_s(4e7, 8, link))
     assert lower == pytest.approx(max(0.01, ring_allreduce_time_s(4e7, 8, link)))
-    rows = scaling.extrapolate(0.01, 4.5e7, [2, 8, 16, 64])
+    rows = performance_scaling.extrapolate(0.01, 4.5e7, [2, 8, 16, 64])
     assert [r["gpus"] for r in rows["within a node (NVLink)"]] == [2, 8]
     efficiencies = [r["efficiency"] for part in rows.values() for r in part]
     assert all(a >= b for a, b in zip(efficiencies, efficiencies[1:]))
@@ -38,7 +38,7 @@ def test_alpha_beta_fit_recovers_its_parameters():
 
 
 def test_compare_loops_reports_ratios():
-    from labsrc.bench_compare import compare_loops
+    from labsrc.training.compare_loops import compare_loops
     threads = torch.get_num_threads()
     options = argparse.Namespace(model="tiny_cnn", batch_size=8, image_size=8, steps=2)
     result = compare_loops(options, rounds=2)
@@ -50,7 +50,7 @@ def test_compare_loops_reports_ratios():
 
 
 def test_compute_time_from_flops_and_assumed_mfu():
-    assert scaling.compute_s_from_flops(989.4e12 * 0.5, 989.4, 0.5) == pytest.approx(1.0)
+    assert performance_scaling.compute_s_from_flops(989.4e12 * 0.5, 989.4, 0.5) == pytest.approx(1.0)
 
 
 def _bench_json(world_size: int, step_s: float, batch: int = 64) -> dict:
@@ -60,27 +60,27 @@ def _bench_json(world_size: int, step_s: float, batch: int = 64) -> dict:
 
 
 def test_reference_record_from_bench_runs():
-    record = scaling.reference_record([_bench_json(2, 0.125), _bench_json(1, 0.1), _bench_json(8, 0.2)])
+    record = performance_scaling.reference_record([_bench_json(2, 0.125), _bench_json(1, 0.1), _bench_json(8, 0.2)])
     assert [p["gpus"] for p in record["scaling"]] == [1, 2, 8]
     assert [p["efficiency"] for p in record["scaling"]] == pytest.approx([1.0, 0.8, 0.5])
     assert record["per_rank_batch"] == 64 and record["provenance"]["world_size_of_run"] == 1
     assert len(record["runs"]) == 3
     with pytest.raises(ValueError, match="world size 1"):
-        scaling.reference_record([_bench_json(2, 0.1)])
+        performance_scaling.reference_record([_bench_json(2, 0.1)])
     with pytest.raises(ValueError, match="differ"):
-        scaling.reference_record([_bench_json(1, 0.1), _bench_json(2, 0.1, batch=32)])
+        performance_scaling.reference_record([_bench_json(1, 0.1), _bench_json(2, 0.1, batch=32)])
 
 
 def _measure_on_rank(ctx, per_rank_batch):
-    from labsrc.config import PROFILES
-    from labsrc.labs.scaling import measure
+    from labsrc.core.profiles import PROFILES
+    from labsrc.labs.performance_scaling import measure
     profile = PROFILES["ci"].replace(image_size=8, num_samples=64)
     return measure(ctx, profile, per_rank_batch, steps=2)
 
 
 def test_lab_measures_ddp_and_local_steps_on_two_ranks():
-    from labsrc.models import build_model
-    from labsrc.testing import run_ranks
+    from labsrc.training.models import build_model
+    from labsrc.core.forked import run_ranks
     results = run_ranks(_measure_on_rank, 2, args=(8,))
     expected_bytes = 4 * sum(p.numel() for p in build_model("tiny_cnn").parameters())
     for result in results:
@@ -91,14 +91,14 @@ def test_lab_measures_ddp_and_local_steps_on_two_ranks():
 def test_figures_draw_every_series():
     import matplotlib
     matplotlib.use("Agg")
-    from labsrc.plots import performance
-    strong, weak = scaling.strong_scaling({1: 1.0, 2: 0.6}), scaling.weak_scaling({1: 1.0, 2: 1.1})
-    speedup, efficiency = performance.scaling_curves(strong, weak)
+    from labsrc.plots import performance_scaling
+    strong, weak = performance_scaling.strong_scaling({1: 1.0, 2: 0.6}), performance_scaling.weak_scaling({1: 1.0, 2: 1.1})
+    speedup, efficiency = performance_scaling.scaling_curves(strong, weak)
     assert [line.get_ydata()[-1] for line in speedup.get_lines()] == [2, strong[2]["speedup"], weak[2]["speedup"]]
     last_points = [line.get_ydata()[-1] for line in efficiency.get_lines()]
     assert last_points == [1.0, strong[2]["efficiency"], weak[2]["efficiency"]]
-    predictions = {"a": scaling.extrapolate(0.01, 4e7, [1, 8, 16]), "b": scaling.extrapolate(0.02, 4e7, [1, 8, 16])}
+    predictions = {"a": performance_scaling.extrapolate(0.01, 4e7, [1, 8, 16]), "b": performance_scaling.extrapolate(0.02, 4e7, [1, 8, 16])}
     points = [{"gpus": 1, "efficiency": 1.0}, {"gpus": 8, "efficiency": 0.9}]
     reference = {"provenance": {"device_name": "GPU"}, "scaling": points}
-    ax = performance.extrapolation(predictions, [reference])
+    ax = performance_scaling.extrapolation(predictions, [reference])
     assert len(ax.get_lines()) == 2 * 2 + 1 and list(ax.get_lines()[-1].get_ydata()) == [1.0, 0.9]

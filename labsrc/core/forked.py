@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from labsrc.dist import RankContext
+from labsrc.core.world import RankContext
 
 
 class RankError(RuntimeError):

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from labsrc.metrics import synchronize
-from labsrc.train import autocast, set_tf32
+from labsrc.training.timing import synchronize
+from labsrc.training.loop import autocast, set_tf32
 
 # Dense peak FLOP/s (no sparsity: the datasheets' tensor-core figures "with sparsity" halved) per device and
 # math mode. Sources: "NVIDIA H100 Tensor Core GPU" datasheet (H100 SXM5, H100 PCIe, H100 NVL), "NVIDIA H200

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from labsrc.train import TrainConfig, autocast, make_optimizer, set_tf32, train
+from labsrc.training.loop import TrainConfig, autocast, make_optimizer, set_tf32, train
 
 FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -228,7 +228,7 @@ def step_timer(device: torch.device):
 
 def mode_costs(make_model, images, labels, modes, ctx, steps: int = 5, seed: int = 0) -> dict[str, dict]:
     """Per precision mode, the same model (same seed) trained on one batch by the course loop
-    (labsrc.train.train, fp16 with its GradScaler), one step per call so each is timed: median step
+    (labsrc.training.loop.train, fp16 with its GradScaler), one step per call so each is timed: median step
     time, losses, bytes kept for backward, and on a GPU the peak memory allocated.
 
     images: (N, C, H, W) and labels: (N,) on ctx.device.

@@ -1,4 +1,4 @@
-"""Per-rank records (JSONL), the run directory, timers and run summaries."""
+"""runs/<lab>/<run_id>/: the run directory, per-rank records (JSONL), the summary and the errors ranks died of."""
 from __future__ import annotations
 
 import json
@@ -6,8 +6,9 @@ import math
 import os
 import time
 import uuid
-from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import ClassVar
 
 RUN_DIR_ENV = "LABSRC_RUN_DIR"
 RUNS_ROOT_ENV = "LABSRC_RUNS"
@@ -17,7 +18,7 @@ def runs_root() -> Path:
     """Where runs are kept: $LABSRC_RUNS, else runs/ at the top of the course checkout."""
     if os.environ.get(RUNS_ROOT_ENV):
         return Path(os.environ[RUNS_ROOT_ENV])
-    return Path(__file__).resolve().parents[1] / "runs"
+    return Path(__file__).resolve().parents[2] / "runs"
 
 
 def new_run_dir(lab: str, root: Path | None = None) -> Path:
@@ -41,6 +42,35 @@ def _plain(value):
     return value
 
 
+@dataclass
+class Record:
+    """A typed record: a lab subclasses it with its fields and a KIND; `rank`, `t` and `attempt` are filled in.
+
+        @dataclass
+        class Timing(Record):
+            KIND: ClassVar[str] = "timing"
+            seconds: float
+    """
+
+    KIND: ClassVar[str] = ""
+    rank: int = field(default=-1, kw_only=True)
+    """The rank that wrote it."""
+    t: float = field(default=0.0, kw_only=True)
+    """Seconds since the rank's writer opened."""
+    attempt: int = field(default=0, kw_only=True)
+    """Which attempt of a restarted run wrote it (torchrun's TORCHELASTIC_RESTART_COUNT)."""
+
+    @classmethod
+    def from_dict(cls, values: dict):
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in values.items() if k in names})
+
+
+def current_attempt() -> int:
+    """0 for the first attempt of a run, 1 after torchrun's first restart, ..."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
 class RecordWriter:
     """Appends one JSON object a line to runs/<lab>/<run_id>/rank<r>.jsonl."""
 
@@ -51,10 +81,18 @@ class RecordWriter:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._file = open(self.path, "a", buffering=1)
         self._start = time.perf_counter()
+        self.attempt = current_attempt()
 
-    def write(self, kind: str, **fields) -> dict:
-        record = {"kind": kind, "rank": self.rank, "t": round(time.perf_counter() - self._start, 6)}
-        record.update(_plain(fields))
+    def write(self, kind: "str | Record", **values) -> dict:
+        """Append one record: a typed Record, or a kind and its fields (for learners' own scripts)."""
+        if isinstance(kind, Record):
+            values = {k: v for k, v in asdict(kind).items() if k not in ("rank", "t", "attempt")}
+            kind = type(kind).KIND
+        if not kind:
+            raise ValueError("a record needs a kind: set KIND on the Record subclass")
+        record = {"kind": kind, "rank": self.rank, "t": round(time.perf_counter() - self._start, 6),
+                  "attempt": self.attempt}
+        record.update(_plain(values))
         self._file.write(json.dumps(record) + "\n")
         return record
 
@@ -103,23 +141,3 @@ def read_errors(run_dir: Path | str) -> dict[int, dict]:
         data = json.loads(path.read_text())
         errors[int(data["rank"])] = data
     return errors
-
-
-def synchronize(device) -> None:
-    """Wait for queued GPU work so a host timer measures it (no-op on the CPU)."""
-    import torch
-    if getattr(device, "type", str(device)) == "cuda":
-        torch.cuda.synchronize(device)
-
-
-@contextmanager
-def timed(device=None):
-    """`with timed(device) as t: ...` then t["s"] holds seconds, GPU work included."""
-    result = {"s": float("nan")}
-    synchronize(device)
-    start = time.perf_counter()
-    try:
-        yield result
-    finally:
-        synchronize(device)
-        result["s"] = time.perf_counter() - start

@@ -1,6 +1,6 @@
 """The DDP sync experiment on n ranks: broadcast, equal gradients, identical parameters, buffers, curves, step time.
 
-    torchrun --nproc-per-node 2 -m labsrc.labs.ddp_sync --profile ci
+    torchrun --nproc-per-node 2 -m labsrc.labs.dp_vs_ddp --profile ci
 """
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import torch
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import data, sync
-from labsrc.labs.common import base_parser, resolve_profile, run_lab
-from labsrc.metrics import timed
-from labsrc.models import TinyCNN, build_model
-from labsrc.train import set_tf32
+from labsrc.training import data
+from labsrc import dp_vs_ddp
+from labsrc.core.lab import base_parser, resolve_profile, run_lab
+from labsrc.training.timing import timed
+from labsrc.training.models import TinyCNN, build_model
+from labsrc.training.loop import set_tf32
 
 # (name, BatchNorm in the model, BatchNorm statistics over the global batch): the training runs compared.
 VARIANTS = (("no BatchNorm", False, False),
@@ -32,7 +33,7 @@ def build(ctx, seed: int, batch_norm: bool, global_statistics: bool = False) -> 
     """TinyCNN from `seed`; with global_statistics its BatchNorm layers normalise over the global batch."""
     torch.manual_seed(seed)
     model = TinyCNN(batch_norm=batch_norm).to(ctx.device)
-    return sync.with_global_batch_norm(model, ctx.device) if global_statistics else model
+    return dp_vs_ddp.with_global_batch_norm(model, ctx.device) if global_statistics else model
 
 
 def construction_broadcast(ctx, records, seed: int) -> None:
@@ -40,71 +41,71 @@ def construction_broadcast(ctx, records, seed: int) -> None:
     model = build(ctx, seed + 1000 * ctx.rank, batch_norm=True)
     with torch.no_grad():  # give the buffers rank-dependent values too (fresh ones are all 0 and 1)
         model(torch.randn(8, 3, 8, 8, device=ctx.device))
-    buffers = sync.batch_norm_buffers(model)
-    before = sync.spread_across_ranks(list(model.parameters()))
-    buffers_before = sync.spread_across_ranks(buffers)
+    buffers = dp_vs_ddp.batch_norm_buffers(model)
+    before = dp_vs_ddp.spread_across_ranks(list(model.parameters()))
+    buffers_before = dp_vs_ddp.spread_across_ranks(buffers)
     wrapped = DDP(model)
-    records.write("broadcast", before=before, after=sync.spread_across_ranks(list(wrapped.parameters())),
-                  buffers_before=buffers_before, buffers_after=sync.spread_across_ranks(buffers))
+    records.write("broadcast", before=before, after=dp_vs_ddp.spread_across_ranks(list(wrapped.parameters())),
+                  buffers_before=buffers_before, buffers_after=dp_vs_ddp.spread_across_ranks(buffers))
 
 
 def ddp_gradients(ctx, model: torch.nn.Module, images, labels) -> dict:
     """This rank's gradients after DDP's backward on its shard of the global batch."""
     wrapped = DDP(copy.deepcopy(model))
-    mine = sync.shard(images, ctx.rank, ctx.world_size), sync.shard(labels, ctx.rank, ctx.world_size)
+    mine = dp_vs_ddp.shard(images, ctx.rank, ctx.world_size), dp_vs_ddp.shard(labels, ctx.rank, ctx.world_size)
     F.cross_entropy(wrapped(mine[0]), mine[1]).backward()
-    return sync.gradients(wrapped)
+    return dp_vs_ddp.gradients(wrapped)
 
 
 def gradient_equivalence(ctx, records, images, labels, seed: int) -> None:
     """DDP's gradient, the hand-averaged one and the single-process full-batch one, compared."""
     images, labels = images.to(ctx.device), labels.to(ctx.device)
     model = build(ctx, seed, batch_norm=False)
-    reference = sync.full_batch_gradients(model, images, labels)
+    reference = dp_vs_ddp.full_batch_gradients(model, images, labels)
     with_ddp = ddp_gradients(ctx, model, images, labels)
     by_hand = copy.deepcopy(model)
-    mine, my_labels = sync.shard(images, ctx.rank, ctx.world_size), sync.shard(labels, ctx.rank, ctx.world_size)
+    mine, my_labels = dp_vs_ddp.shard(images, ctx.rank, ctx.world_size), dp_vs_ddp.shard(labels, ctx.rank, ctx.world_size)
     F.cross_entropy(by_hand(mine), my_labels).backward()
-    local = sync.gradients(by_hand)
-    sync.average_gradients(by_hand, ctx.world_size)
-    hand = sync.gradients(by_hand)
+    local = dp_vs_ddp.gradients(by_hand)
+    dp_vs_ddp.average_gradients(by_hand, ctx.world_size)
+    hand = dp_vs_ddp.gradients(by_hand)
     bn_model = build(ctx, seed, batch_norm=True)
-    bn_reference = sync.full_batch_gradients(bn_model, images, labels)
+    bn_reference = dp_vs_ddp.full_batch_gradients(bn_model, images, labels)
     bn_local = ddp_gradients(ctx, bn_model, images, labels)
-    bn_global = ddp_gradients(ctx, sync.with_global_batch_norm(copy.deepcopy(bn_model), ctx.device),
+    bn_global = ddp_gradients(ctx, dp_vs_ddp.with_global_batch_norm(copy.deepcopy(bn_model), ctx.device),
                               images, labels)
     records.write("gradients",
-                  ddp_vs_full_batch=sync.largest_gap(with_ddp, reference),
-                  hand_vs_full_batch=sync.largest_gap(hand, reference),
-                  local_vs_full_batch=sync.largest_gap(local, reference),
-                  spread_across_ranks=sync.spread_across_ranks(list(with_ddp.values())),
+                  ddp_vs_full_batch=dp_vs_ddp.largest_gap(with_ddp, reference),
+                  hand_vs_full_batch=dp_vs_ddp.largest_gap(hand, reference),
+                  local_vs_full_batch=dp_vs_ddp.largest_gap(local, reference),
+                  spread_across_ranks=dp_vs_ddp.spread_across_ranks(list(with_ddp.values())),
                   largest_gradient=max(g.abs().max().item() for g in reference.values()),
-                  batch_norm_local_vs_full_batch=sync.largest_gap(bn_local, bn_reference),
-                  batch_norm_global_vs_full_batch=sync.largest_gap(bn_global, bn_reference),
+                  batch_norm_local_vs_full_batch=dp_vs_ddp.largest_gap(bn_local, bn_reference),
+                  batch_norm_global_vs_full_batch=dp_vs_ddp.largest_gap(bn_global, bn_reference),
                   batch_norm_largest_gradient=max(g.abs().max().item() for g in bn_reference.values()),
                   shard_size=int(mine.shape[0]))
 
 
 def batch_norm_experiments(ctx, records, images, seed: int) -> None:
     """Rank-local BatchNorm buffers with and without DDP's buffer sync; statistics of the global batch."""
-    mine = sync.shard(images, ctx.rank, ctx.world_size).to(ctx.device)
+    mine = dp_vs_ddp.shard(images, ctx.rank, ctx.world_size).to(ctx.device)
     for broadcast in (False, True):
-        model = DDP(build(ctx, seed, batch_norm=True), **sync.buffer_sync_option(broadcast))
+        model = DDP(build(ctx, seed, batch_norm=True), **dp_vs_ddp.buffer_sync_option(broadcast))
         seen: list = []
         model.module.register_forward_pre_hook(
-            lambda module, args: seen.append([b.clone() for b in sync.batch_norm_buffers(module)]))
+            lambda module, args: seen.append([b.clone() for b in dp_vs_ddp.batch_norm_buffers(module)]))
         for _ in range(3):
             model(mine).sum().backward()
         records.write("buffers", broadcast_buffers=broadcast,
-                      spread_seen_by_forward=sync.spread_across_ranks(seen[-1]),
-                      spread_after_forward=sync.spread_across_ranks(sync.batch_norm_buffers(model.module)))
+                      spread_seen_by_forward=dp_vs_ddp.spread_across_ranks(seen[-1]),
+                      spread_after_forward=dp_vs_ddp.spread_across_ranks(dp_vs_ddp.batch_norm_buffers(model.module)))
     features = build(ctx, seed, batch_norm=True).features[0]
     with torch.no_grad():
         whole, shard_features = features(images.to(ctx.device)), features(mine)
         reference = torch.nn.BatchNorm2d(whole.shape[1], momentum=1.0).to(ctx.device)
-        full_output = sync.shard(reference(whole), ctx.rank, ctx.world_size)
+        full_output = dp_vs_ddp.shard(reference(whole), ctx.rank, ctx.world_size)
         local_output = torch.nn.BatchNorm2d(whole.shape[1]).to(ctx.device)(shard_features)
-        layer = sync.with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(whole.shape[1])),
+        layer = dp_vs_ddp.with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(whole.shape[1])),
                                             ctx.device).to(ctx.device)
         layer[0].momentum = 1.0  # running statistics := this batch's
         global_output = layer(shard_features)
@@ -133,7 +134,7 @@ def train_ddp(ctx, records, profile, dataset, variant, seed: int) -> None:
     for step in range(profile.steps):
         loss = sgd_step(model, optimizer, *next(batches))
         records.write("step", variant=name, step=step, loss=loss.item(),
-                      parameter_spread=sync.spread_across_ranks(list(model.parameters())))
+                      parameter_spread=dp_vs_ddp.spread_across_ranks(list(model.parameters())))
 
 
 def time_steps(ctx, records, profile, dataset, seed: int) -> None:
@@ -176,7 +177,7 @@ def train_single(ctx, records, profile, dataset, batch_norm: bool, seed: int) ->
         records.write("single_step", batch_norm=batch_norm, step=step, loss=loss.item())
 
 
-def ddp_sync(ctx, records, args) -> dict:
+def dp_vs_ddp(ctx, records, args) -> dict:
     profile = resolve_profile(args)
     if args.global_batch:
         profile = profile.replace(global_batch=args.global_batch)
@@ -210,14 +211,14 @@ def launch_sync_experiment(nproc: int, global_batch: int | None = None, profile:
     from labsrc import launch
     args = ["--profile", profile] if profile else []
     args += ["--global-batch", global_batch] if global_batch else []
-    return launch.run("ddp_sync", nproc=nproc, args=args, timeout=timeout)
+    return launch.run("dp_vs_ddp", nproc=nproc, args=args, timeout=timeout)
 
 
 def main(argv=None):
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--global-batch", type=int, default=None,
                         help="samples per step over all ranks (default: the profile's)")
-    return run_lab("ddp_sync", ddp_sync, parser.parse_args(argv))
+    return run_lab("dp_vs_ddp", dp_vs_ddp, parser.parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ from pathlib import Path
 
 
 def results_root() -> Path:
-    return Path(__file__).resolve().parents[1] / "results"
+    return Path(__file__).resolve().parents[2] / "results"
 
 
 def load_reference(name: str) -> list[dict]:

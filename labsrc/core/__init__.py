@@ -1,0 +1,1 @@
+"""Infrastructure every lesson uses: rank context, launching, run records, profiles, progress, forked ranks, widgets."""

@@ -1,0 +1,78 @@
+"""Every rank contributes its rank id to one all_reduce; the sum must be 0+1+...+(n-1).
+
+    python -m labsrc.launch --nproc 2 setup -- --hold-s 3
+    torchrun --nproc-per-node 2 -m labsrc.labs.setup
+Options to watch a run being stopped (hold_s) or a rank crashing (fail_rank).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from labsrc.core.lab import run_lab
+from labsrc.core.options import LabOptions, positive
+from labsrc.core.runs import Record
+from labsrc.core.world import RequestError
+
+
+@dataclass
+class Options(LabOptions):
+    """The first launch: an all_reduce of rank ids, then optionally a hold or a planted crash."""
+
+    hold_s: float = 0
+    """Seconds to keep running after the all_reduce (to watch a run being stopped)."""
+    fail_rank: int = -1
+    """This rank raises on purpose (-1: none)."""
+    fail_after_s: int = 0
+    """Seconds into hold_s at which fail_rank raises."""
+
+    def validate(self) -> None:
+        super().validate()
+        positive("hold_s", self.hold_s, allow_zero=True)
+        positive("fail_after_s", self.fail_after_s, allow_zero=True)
+        if self.fail_rank < -1:
+            raise RequestError(f"fail_rank must be a rank (0, 1, ...) or -1 for none (got {self.fail_rank}).")
+
+
+@dataclass
+class AllReduce(Record):
+    """What one rank put into the all_reduce and what came back."""
+
+    KIND: ClassVar[str] = "allreduce"
+    contributed: int
+    received: int
+
+
+class PlantedCrash(RuntimeError):
+    """The failure fail_rank asks for, so a learner can see how a crashed rank is reported."""
+
+
+def allreduce_rank_ids(ctx, records, options: Options) -> dict:
+    value = torch.tensor([float(ctx.rank)], device=ctx.device)
+    if ctx.distributed:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    total = int(value.item())
+    records.write(AllReduce(contributed=ctx.rank, received=total))
+    print(f"contributed {ctx.rank}, all_reduce gave {total}")
+    for second in range(int(options.hold_s)):
+        if ctx.rank == options.fail_rank and second == options.fail_after_s:
+            raise PlantedCrash(f"rank {ctx.rank} crashed on purpose after {second} s (fail_rank)")
+        records.progress(second, int(options.hold_s))
+        time.sleep(1.0)
+    if ctx.rank == options.fail_rank:
+        raise PlantedCrash(f"rank {ctx.rank} crashed on purpose (fail_rank)")
+    if options.hold_s:
+        records.progress(int(options.hold_s), int(options.hold_s))
+    return {"sum": total, "expected": ctx.world_size * (ctx.world_size - 1) // 2}
+
+
+def main(argv=None):
+    return run_lab("setup", allreduce_rank_ids, Options, argv)
+
+
+if __name__ == "__main__":
+    main()
