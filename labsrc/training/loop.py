@@ -3,12 +3,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
 
+from labsrc.core.runs import Record
+
 PRECISIONS = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class StepLoss(Record):
+    """This rank's loss on its own batch at one optimizer step."""
+
+    KIND: ClassVar[str] = "step"
+    step: int
+    loss: float
 
 
 @dataclass
@@ -45,6 +56,36 @@ def set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.allow_tf32 = enabled
 
 
+def step(model: nn.Module, optimizer: torch.optim.Optimizer | None, images: torch.Tensor, labels: torch.Tensor,
+         precision: str = "fp32", scaler: "torch.amp.GradScaler | None" = None, max_norm: float | None = None,
+         loss_fn: Callable = nn.functional.cross_entropy) -> torch.Tensor:
+    """One training step, the course's only one: forward under autocast, backward, optional clipping, update.
+
+    images: (N, ...) on the model's device, labels: (N,). With a GradScaler the loss is scaled and the
+    gradients unscaled before clipping; with optimizer=None only forward and backward run (gradients
+    stay in .grad for inspection). Returns the detached loss, left on the device (no host sync).
+    """
+    with autocast(images.device, precision):
+        loss = loss_fn(model(images), labels)
+    if optimizer is not None:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        model.zero_grad(set_to_none=True)
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    if optimizer is None:
+        return loss.detach()
+    if max_norm is not None:
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    return loss.detach()
+
+
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
                            weight_decay=cfg.weight_decay)
@@ -71,27 +112,22 @@ def train(model: nn.Module, batches: Iterator, ctx, cfg: TrainConfig, records=No
     losses: list[float] = []
     samples = 0
     start = time.perf_counter()
-    for step in range(cfg.steps):
+    for index in range(cfg.steps):
         images, labels = next(batches)
         images = images.to(ctx.device, non_blocking=True)
         labels = labels.to(ctx.device, non_blocking=True)
-        with autocast(ctx.device, cfg.precision):
-            loss = loss_fn(model(images), labels)
-        optimizer.zero_grad(set_to_none=True)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        loss = step(model, optimizer, images, labels, cfg.precision, scaler, loss_fn=loss_fn)
         if scheduler is not None:
             scheduler.step()
         samples += labels.shape[0]
-        pending.append(loss.detach())
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
+        pending.append(loss)
+        if (index + 1) % cfg.log_every == 0 or index + 1 == cfg.steps:
             fetched = torch.stack(pending).float().tolist()
-            first = step + 1 - len(fetched)
+            first = index + 1 - len(fetched)
             if records is not None:
                 for offset, value in enumerate(fetched):
-                    records.write("step", step=first + offset, loss=value)
-                records.progress(step + 1, cfg.steps)
+                    records.write(StepLoss(step=first + offset, loss=value))
+                records.progress(index + 1, cfg.steps)
             losses += fetched
             pending.clear()
     if ctx.device.type == "cuda":
