@@ -73,3 +73,15 @@ def ring_allreduce_time_s(nbytes: float, world_size: int, link: AlphaBeta) -> fl
         return 0.0
     steps = 2 * (world_size - 1)
     return steps * link.time_s(nbytes / world_size)
+
+
+def fit_sweep(timings: dict, statistic=min) -> dict[str, AlphaBeta]:
+    """{algorithm: AlphaBeta} fitted on statistic(repeats) of each point of a sweep.
+
+    timings: {(algorithm, size in float32 elements): {"seconds": [per-call seconds of each repeat], ...}},
+    as labsrc.collectives.sweep returns it.
+    """
+    points: dict[str, list] = {}
+    for (name, size), timing in timings.items():
+        points.setdefault(name, []).append((4 * size, statistic(timing["seconds"])))
+    return {name: fit(*zip(*sorted(pairs))) for name, pairs in points.items()}

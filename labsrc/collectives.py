@@ -21,11 +21,11 @@ def all_gather(output: torch.Tensor, piece: torch.Tensor) -> None:
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor) -> str:
-    """Sum (n * k,) inputs over ranks, keep slice r of length k on rank r; return which way it ran.
+    """Sum (n * k,) inputs over ranks, keep slice r of length k on rank r; return how it ran.
 
-    The backend's own reduce-scatter where it has one (gloo does in torch 2.11-2.14, NCCL always);
-    a backend without it gets all_reduce then this rank's slice: the same result for n times the
-    traffic, and the returned name says so.
+    The backend's own reduce-scatter where it has one (gloo does in torch 2.11-2.14, NCCL always):
+    "reduce_scatter". A backend without it gets all_reduce then this rank's slice, the same result
+    for n times the traffic: "all_reduce_then_slice".
     """
     try:
         _single_tensor_collective("reduce_scatter_single", "reduce_scatter_tensor")(output, full)
@@ -36,7 +36,7 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor) -> str:
     total = full.clone()
     dist.all_reduce(total)
     output.copy_(total.view(dist.get_world_size(), -1)[dist.get_rank()])
-    return "all_reduce + slice (no reduce_scatter on this backend)"
+    return "all_reduce_then_slice"
 
 
 def neighbours(rank: int, world_size: int) -> tuple[int, int]:
@@ -171,38 +171,44 @@ def rank_values(rank: int, size: int, device) -> torch.Tensor:
 
 
 def collective_tables(ctx) -> list[dict]:
-    """Each collective on a tiny tensor: what this rank held before and after, as rows for a table."""
+    """Each collective on a tiny tensor: what this rank held before and after, as rows for a table.
+
+    A row: collective (the key: send_recv, broadcast, all_reduce, reduce_scatter, all_gather), label
+    (what a table shows), ran_as (which operation ran: the key, or all_reduce_then_slice), before, after.
+    """
     rank, n, device = ctx.rank, ctx.world_size, tensor_device(ctx)
+    scalar = lambda value: torch.tensor([float(value)], device=device)
     rows = []
 
-    def row(name, before, after):
-        rows.append({"collective": name, "before": before.tolist(), "after": after.tolist()})
+    def row(key, label, before, after, ran_as=None):
+        rows.append({"collective": key, "label": label, "ran_as": ran_as or key,
+                     "before": before.tolist(), "after": after.tolist()})
 
     if n > 1:
-        value = torch.tensor([float(rank)], device=device)
-        before = value.clone()
+        value = scalar(rank)
         if rank == 0:
-            dist.send(torch.tensor([42.0], device=device), 1)
+            dist.send(scalar(42), 1)
         elif rank == 1:
             dist.recv(value, 0)
-        row("send/recv (rank 0 sends 42 to rank 1)", before, value)
-    value = torch.tensor([float(rank)], device=device)
-    before = value.clone()
+        row("send_recv", "send/recv (rank 0 sends 42 to rank 1)", scalar(rank), value)
+    value = scalar(rank)
     dist.broadcast(value, src=0)
-    row("broadcast from rank 0", before, value)
-    value = torch.tensor([float(rank + 1)], device=device)
-    before = value.clone()
+    row("broadcast", "broadcast from rank 0", scalar(rank), value)
+    value = scalar(rank + 1)
     dist.all_reduce(value)
-    row("all_reduce (sum)", before, value)
-    full = torch.arange(n, dtype=torch.float32, device=device) + 10 * rank
-    part = torch.empty(1, device=device)
+    row("all_reduce", "all_reduce (sum)", scalar(rank + 1), value)
+    full, part = torch.arange(n, dtype=torch.float32, device=device) + 10 * rank, torch.empty(1, device=device)
     how = reduce_scatter(part, full)
-    row(f"reduce_scatter (sum, one element each; {how})", full, part)
-    piece = torch.tensor([float(rank)], device=device)
+    row("reduce_scatter", f"reduce_scatter (sum, one element each; ran as {how})", full, part, how)
     gathered = torch.empty(n, device=device)
-    all_gather(gathered, piece)
-    row("all_gather", piece, gathered)
+    all_gather(gathered, scalar(rank))
+    row("all_gather", "all_gather", scalar(rank), gathered)
     return rows
+
+
+def check_sizes(world_size: int) -> list[int]:
+    """Sizes that divide evenly by the world size and sizes that do not (including fewer than n elements)."""
+    return sorted({1, world_size - 1 or 1, world_size + 1, 1000 * world_size, 1000 * world_size + 1, 4099})
 
 
 def check_algorithms(ctx, sizes, timeout_s: float = 20.0) -> list[dict]:

@@ -2,12 +2,18 @@
 from __future__ import annotations
 
 import copy
+import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+from labsrc.training.loop import step
+from labsrc.training.models import TinyCNN
 
 
 def shard(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -63,11 +69,31 @@ def spread_across_ranks(tensors: list[torch.Tensor]) -> float:
     return gap.item()
 
 
+def seeded_model(device: torch.device, seed: int, batch_norm: bool, global_statistics: bool = False) -> nn.Module:
+    """TinyCNN from `seed`; with global_statistics its BatchNorm layers normalise over the global batch."""
+    torch.manual_seed(seed)
+    model = TinyCNN(batch_norm=batch_norm).to(device)
+    return with_global_batch_norm(model, device) if global_statistics else model
+
+
+def shard_gradients(ctx, model: nn.Module, images, labels, by_hand: bool = False) -> dict:
+    """This rank's gradients on its shard of the global batch: through DDP, or averaged by hand.
+
+    images: (G, ...), labels: (G,), the whole global batch on every rank; the model is copied, not changed.
+    """
+    copied = copy.deepcopy(model)
+    wrapped = copied if by_hand else DistributedDataParallel(copied)
+    step(wrapped, None, shard(images, ctx.rank, ctx.world_size),
+         shard(labels, ctx.rank, ctx.world_size))
+    if by_hand:
+        average_gradients(copied, ctx.world_size)
+    return gradients(wrapped)
+
+
 def buffer_sync_option(enabled: bool) -> dict:
     """DDP's keyword for syncing buffers from rank 0 before each forward: `forward_sync_buffers` where
     this torch has it (newer releases deprecate `broadcast_buffers` for it), else `broadcast_buffers`."""
     import inspect
-    from torch.nn.parallel import DistributedDataParallel
     if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
         return {"forward_sync_buffers": enabled}
     return {"broadcast_buffers": enabled}
@@ -192,3 +218,57 @@ def dataparallel_step(model: nn.Module, images: torch.Tensor, labels: torch.Tens
     return {"gpus": gpus, "device_ids": list(parallel.device_ids), "calls": first_step_calls,
             "chunks": [call["shape"][0] for call in first_step_calls], "output_device": str(outputs.device),
             "replicated": len(first_step_calls) > 1, "step_s": min(seconds[1:]) if gpus >= 2 else None}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One DDP training run of the sync experiment: `key` goes into records, `label` onto figures."""
+
+    key: str
+    label: str
+    batch_norm: bool
+    """The model has BatchNorm layers."""
+    global_statistics: bool
+    """Its BatchNorm layers normalise over the global batch (SyncBatchNorm)."""
+
+
+VARIANTS = (Variant("plain", "no BatchNorm", False, False),
+            Variant("batch_norm_local", "BatchNorm, per-rank statistics", True, False),
+            Variant("batch_norm_global", "BatchNorm, global statistics", True, True))
+"""The training runs the lab compares with one process on the whole global batch."""
+
+
+def mean_loss_per_step(steps) -> tuple[list[int], list[float]]:
+    """(steps, loss) from records with .step and .loss: the loss at a step is the mean over the ranks."""
+    by_step: dict[int, list[float]] = {}
+    for record in steps:
+        by_step.setdefault(record.step, []).append(record.loss)
+    ordered = sorted(by_step)
+    return ordered, [statistics.fmean(by_step[s]) for s in ordered]
+
+
+def curve_gaps(ddp_steps, single_steps) -> dict[str, float]:
+    """{variant key: largest |DDP loss - single-process loss| over steps}, each beside its own single run.
+
+    ddp_steps: records with .variant, .step, .loss (every rank); single_steps: records with .batch_norm,
+    .step, .loss (rank 0's one-process runs).
+    """
+    gaps = {}
+    for variant in VARIANTS:
+        _, ddp = mean_loss_per_step(r for r in ddp_steps if r.variant == variant.key)
+        _, single = mean_loss_per_step(r for r in single_steps if r.batch_norm == variant.batch_norm)
+        if not ddp or len(ddp) != len(single):
+            raise ValueError(f"{variant.key}: {len(ddp)} DDP steps but {len(single)} single-process steps")
+        gaps[variant.key] = max(abs(a - b) for a, b in zip(ddp, single))
+    return gaps
+
+
+def step_breakdown_ms(timings) -> dict[str, float]:
+    """Median milliseconds per phase over timed steps and ranks, from records with .forward_s,
+    .backward_s, .local_backward_s, .optimizer_s: backward is the no_sync backward (compute only),
+    all_reduce what DDP's backward takes beyond it."""
+    timings = list(timings)
+    median = lambda key: 1000 * statistics.median(getattr(r, key) for r in timings)
+    return {"forward": median("forward_s"), "backward": median("local_backward_s"),
+            "all_reduce": max(0.0, median("backward_s") - median("local_backward_s")),
+            "optimizer": median("optimizer_s")}

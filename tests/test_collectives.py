@@ -1,12 +1,12 @@
 """Ring and naive all-reduce equal dist.all_reduce on 2-4 ranks; the ring sends 2(n-1)/n of the data; a broken ring fails."""
-import argparse
 import time
 
 import pytest
 import torch
 
-from labsrc import collectives
-from labsrc.core import profiles, runs
+from labsrc import alpha_beta, collectives
+from labsrc.core import runs
+from labsrc.core.world import RequestError
 from labsrc.labs import collectives as collectives_lab
 from labsrc.core.forked import RankError, run_ranks
 
@@ -61,14 +61,17 @@ def _tables(ctx):
 def test_collective_tables_show_what_each_rank_holds(world_size):
     n = world_size
     for rank, rows in enumerate(run_ranks(_tables, n)):
-        after = {row["collective"].split(" (")[0]: row["after"] for row in rows}
-        before = {row["collective"].split(" (")[0]: row["before"] for row in rows}
-        assert after["send/recv"] == ([42.0] if rank == 1 else before["send/recv"])
-        assert after["broadcast from rank 0"] == [0.0]
+        after = {row["collective"]: row["after"] for row in rows}
+        before = {row["collective"]: row["before"] for row in rows}
+        assert after["send_recv"] == ([42.0] if rank == 1 else before["send_recv"])
+        assert after["broadcast"] == [0.0]
         assert after["all_reduce"] == [n * (n + 1) / 2]
         assert after["reduce_scatter"] == [float(sum(rank + 10 * other for other in range(n)))]
         assert after["all_gather"] == [float(r) for r in range(n)]
-        assert "reduce_scatter (sum, one element each; reduce_scatter)" in [row["collective"] for row in rows]
+        ran_as = {row["collective"]: row["ran_as"] for row in rows}
+        assert ran_as["reduce_scatter"] == "reduce_scatter", "gloo in torch 2.11-2.14 has its own reduce_scatter"
+        assert all(ran_as[key] == key for key in after)
+        assert all(row["label"] for row in rows), "every row needs a label for the table"
 
 
 def _talk_to_itself(rank, n):
@@ -101,11 +104,10 @@ def test_a_ring_turned_backwards_gives_a_wrong_sum():
 
 
 def _lab_body(ctx, run_dir):
-    small = profiles.PROFILES["ci"].replace(sweep_sizes=(64, 4096, 65536), repeats=3)
-    collectives_lab.resolve_profile = lambda args: small  # this forked rank's copy only
     records = runs.RecordWriter(run_dir, ctx.rank)
     try:
-        return collectives_lab.collectives_lab(ctx, records, argparse.Namespace(profile=None))
+        options = collectives_lab.Options.make(profile="ci", sizes=(64, 4096, 65536), repeats=3)
+        return collectives_lab.collectives_lab(ctx, records, options)
     finally:
         records.close()
 
@@ -117,7 +119,8 @@ def test_lab_records_every_measurement_and_summarises_the_fits(tmp_path):
         assert set(fit) == {"alpha_s", "beta_s_per_byte", "r2"}
         assert fit["beta_s_per_byte"] > 0
     records = runs.read_records(tmp_path)
-    timings = [r for r in records[0] if r["kind"] == "timing"]
+    assert summary["sizes"] == [64, 4096, 65536] and summary["repeats"] == 3
+    timings = [r for r in records[0] if r["kind"] == collectives_lab.Timing.KIND]
     assert {(r["algorithm"], r["size"]) for r in timings} == {
         (a, s) for a in collectives.ALGORITHMS for s in (64, 4096, 65536)}
     for record in timings:
@@ -143,3 +146,24 @@ def test_gloo_collectives_use_host_tensors_and_nccl_the_rank_gpu():
     nccl = RankContext(1, 1, 2, torch.device("cuda", 1), "nccl")
     assert collectives.tensor_device(gloo_on_gpu) == torch.device("cpu")
     assert collectives.tensor_device(nccl) == torch.device("cuda", 1)
+
+
+def test_options_refuse_what_cannot_be_measured_or_fitted():
+    with pytest.raises(RequestError, match="at least two different message sizes"):
+        collectives_lab.Options.make(sizes=(256, 256))
+    with pytest.raises(RequestError, match="sizes must be more than 0"):
+        collectives_lab.Options.make(sizes="0 256")
+    with pytest.raises(RequestError, match="repeats must be 0 or more"):
+        collectives_lab.Options.make(repeats=-1)
+    assert collectives_lab.Options.make(sizes="256,65536").to_argv() == ["--sizes", "256", "65536"]
+    assert collectives_lab.Options().pg_timeout_s == 30.0, "a broken ring must fail within 30 s"
+
+
+def test_fit_sweep_recovers_alpha_and_beta_of_each_algorithm():
+    timings = {(name, size): {"seconds": [alpha + 4 * size * beta, 2 * (alpha + 4 * size * beta)]}
+               for name, alpha, beta in [("slow", 1e-4, 1e-9), ("fast", 1e-5, 1e-10)]
+               for size in (256, 4096, 65536)}
+    fits = alpha_beta.fit_sweep(timings, min)
+    assert fits["slow"].alpha_s == pytest.approx(1e-4) and fits["slow"].beta_s_per_byte == pytest.approx(1e-9)
+    assert fits["fast"].alpha_s == pytest.approx(1e-5) and fits["fast"].r2 == pytest.approx(1.0)
+    assert alpha_beta.fit_sweep(timings, max)["slow"].alpha_s == pytest.approx(2e-4)

@@ -164,20 +164,55 @@ def test_dataparallel_shows_what_the_module_saw():
         assert len(report["calls"]) == report["gpus"] and report["step_s"] > 0
 
 
+def test_options_refuse_a_negative_batch_and_a_batch_that_does_not_split_over_the_ranks():
+    from labsrc.core.profiles import PROFILES
+    from labsrc.core.world import RequestError
+    from labsrc.labs.dp_vs_ddp import Options, global_batch_for
+    with pytest.raises(RequestError, match="global_batch"):
+        Options.make(global_batch=-4)
+    with pytest.raises(RequestError, match="choose a multiple of 3, e.g. 30 or 33"):
+        global_batch_for(Options.make(global_batch=32), PROFILES["ci"], 3)
+    assert global_batch_for(Options.make(global_batch=33), PROFILES["ci"], 3) == 33
+    assert global_batch_for(Options.make(), PROFILES["ci"], 3) == 63  # the profile's 64, rounded down
+
+
+def _step(variant, step, loss, rank):
+    from labsrc.labs.dp_vs_ddp import DdpStep
+    return DdpStep(variant, step, loss, 0.0, rank=rank)
+
+
+def test_curve_gaps_compare_the_rank_mean_with_one_process_per_variant():
+    from labsrc.labs.dp_vs_ddp import SingleStep
+    ddp = [_step(v.key, s, loss, rank) for v in dp_vs_ddp.VARIANTS for s in range(2)
+           for rank, loss in enumerate((1.0, 3.0 + v.global_statistics))]
+    single = [SingleStep(norm, s, 2.0) for norm in (False, True) for s in range(2)]
+    assert dp_vs_ddp.curve_gaps(ddp, single) == {"plain": 0.0, "batch_norm_local": 0.0, "batch_norm_global": 0.5}
+    with pytest.raises(ValueError, match="plain: 2 DDP steps but 1 single-process steps"):
+        dp_vs_ddp.curve_gaps(ddp, single[1:])
+
+
 @pytest.mark.slow
 def test_lab_records_every_experiment(tmp_path, monkeypatch):
-    from labsrc.labs.dp_vs_ddp import launch_sync_experiment
-    from labsrc.plots.dp_vs_ddp import curve_gaps
+    from labsrc.core import launch
+    from labsrc.labs.dp_vs_ddp import DdpStep, Gradients, SingleStep, StepTiming
     monkeypatch.setenv("LABSRC_RUNS", str(tmp_path))
-    result = launch_sync_experiment(nproc=2, global_batch=32, profile="ci", timeout=180)
+    result = launch.run("dp_vs_ddp", nproc=2, timeout=180, profile="ci", global_batch=32)
     assert result.summary["global_batch"] == 32 and result.summary["per_rank_batch"] == 16
-    assert {r["rank"]: r["shard_size"] for r in result.of_kind("gradients")} == {0: 16, 1: 16}
-    assert max(r["parameter_spread"] for r in result.of_kind("step")) == 0.0
+    assert {r.rank: r.shard_size for r in result.of(Gradients)} == {0: 16, 1: 16}
+    assert max(r.parameter_spread for r in result.of(DdpStep)) == 0.0
     steps = result.summary["steps"]
-    assert len(result.of_kind("step")) == 2 * 3 * steps and len(result.of_kind("single_step")) == 2 * steps
-    timing = result.of_kind("timing")
-    assert len(timing) == 2 * result.summary["timed_steps"] and {r["model"] for r in timing} == {"tiny_cnn"}
-    assert all(r["backward_s"] > 0 and r["local_backward_s"] > 0 for r in timing)
-    gaps = curve_gaps(result)
-    assert gaps["no BatchNorm"] < 1e-3 and gaps["BatchNorm, global statistics"] < 1e-3
-    assert gaps["BatchNorm, per-rank statistics"] > 10 * gaps["BatchNorm, global statistics"]
+    assert len(result.of(DdpStep)) == 2 * 3 * steps and len(result.of(SingleStep)) == 2 * steps
+    timing = result.of(StepTiming)
+    assert len(timing) == 2 * result.summary["timed_steps"] and {r.model for r in timing} == {"tiny_cnn"}
+    assert all(r.backward_s > 0 and r.local_backward_s > 0 for r in timing)
+    gaps = dp_vs_ddp.curve_gaps(result.of(DdpStep), result.of(SingleStep))
+    assert gaps["plain"] < 1e-3 and gaps["batch_norm_global"] < 1e-3
+    assert gaps["batch_norm_local"] > 10 * gaps["batch_norm_global"]
+
+
+@pytest.mark.slow
+def test_lab_refuses_at_rank_start_a_global_batch_that_does_not_split(tmp_path, monkeypatch):
+    from labsrc.core import launch
+    monkeypatch.setenv("LABSRC_RUNS", str(tmp_path))
+    with pytest.raises(launch.RankFailed, match="does not split over 2 ranks: choose a multiple of 2"):
+        launch.run("dp_vs_ddp", nproc=2, timeout=120, profile="ci", global_batch=33)

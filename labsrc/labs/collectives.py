@@ -1,72 +1,131 @@
 """Collectives rank by rank, ring and naive all-reduce checked against dist.all_reduce, and a message-size sweep.
 
+    launch.run("collectives", nproc=3)
+    python -m labsrc.launch --nproc 2 collectives -- --sizes 256 65536 --repeats 3
     torchrun --nproc-per-node 2 -m labsrc.labs.collectives --profile ci
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
+from dataclasses import dataclass
+from typing import ClassVar
 
 from labsrc import alpha_beta, collectives
-from labsrc.core.lab import base_parser, resolve_profile, run_lab
+from labsrc.core.lab import resolve_profile, run_lab
+from labsrc.core.options import LabOptions, positive
+from labsrc.core.runs import Record
+from labsrc.core.world import RequestError
 
 
-def check_sizes(world_size: int) -> list[int]:
-    """Sizes that divide evenly by the world size and sizes that do not (including fewer than n elements)."""
-    return sorted({1, world_size - 1 or 1, world_size + 1, 1000 * world_size, 1000 * world_size + 1, 4099})
+@dataclass
+class Options(LabOptions):
+    """Tables of five collectives, hand-written all-reduces checked, and an alpha-beta sweep."""
+
+    pg_timeout_s: float = 30.0
+    """Seconds a collective may wait for the other ranks: a broken ring raises within it instead of hanging."""
+    sizes: tuple[int, ...] = ()
+    """Message sizes of the sweep in float32 elements, at least two different ones (empty: the profile's)."""
+    repeats: int = 0
+    """Timed repeats per (algorithm, size) point (0: the profile's)."""
+    ring_timeout_s: float = 20.0
+    """Seconds the hand-written ring waits for one message in the check before it raises."""
+
+    def validate(self) -> None:
+        super().validate()
+        positive("repeats", self.repeats, allow_zero=True)
+        positive("ring_timeout_s", self.ring_timeout_s)
+        for size in self.sizes:
+            positive("sizes", size)
+        if self.sizes and len(set(self.sizes)) < 2:
+            raise RequestError(f"sizes {list(self.sizes)}: an alpha-beta fit needs at least two different "
+                               f"message sizes, e.g. --sizes 256 65536.")
 
 
-def fit_sweep(timings: dict, statistic=min) -> dict:
-    """{algorithm: {"alpha_s", "beta_s_per_byte", "r2"}}: alpha-beta fitted on statistic(repeats) of each point.
+@dataclass
+class Holding(Record):
+    """What this rank held before and after one collective on a tiny tensor."""
 
-    timings: {(algorithm, size): {"seconds": [...], ...}} as collectives.sweep returns it.
-    """
-    points: dict[str, list] = {}
-    for (name, size), timing in timings.items():
-        points.setdefault(name, []).append((4 * size, statistic(timing["seconds"])))
-    fits = {}
-    for name, pairs in points.items():
-        fit = alpha_beta.fit(*zip(*sorted(pairs)))
-        fits[name] = {"alpha_s": fit.alpha_s, "beta_s_per_byte": fit.beta_s_per_byte, "r2": fit.r2}
-    return fits
+    KIND: ClassVar[str] = "table"
+    collective: str
+    """Key: send_recv, broadcast, all_reduce, reduce_scatter or all_gather."""
+    label: str
+    """What the table shows."""
+    ran_as: str
+    """The operation that ran: the key, or all_reduce_then_slice where a backend has no reduce_scatter."""
+    before: list
+    after: list
 
 
-def collectives_lab(ctx, records, args) -> dict:
-    profile = resolve_profile(args)
+@dataclass
+class Check(Record):
+    """One all-reduce algorithm on one size against dist.all_reduce: its error and the bytes this rank sent."""
+
+    KIND: ClassVar[str] = "check"
+    algorithm: str
+    """A collectives.ALGORITHMS key."""
+    size: int
+    """Elements (float32)."""
+    bytes: int
+    bytes_sent: int | None
+    """Counted while it ran (None for dist.all_reduce: the backend's business)."""
+    bytes_formula: int | None
+    """What counting chunks predicts (None for dist.all_reduce)."""
+    max_error: float
+
+
+@dataclass
+class Timing(Record):
+    """One sweep point: seconds per call of every repeat (slowest rank), its fastest, and bandwidths."""
+
+    KIND: ClassVar[str] = "timing"
+    algorithm: str
+    size: int
+    bytes: int
+    seconds: float
+    """The fastest repeat."""
+    median_s: float
+    repeats_s: list
+    calls_per_repeat: int
+    algbw: float
+    """Bytes per second, nccl-tests' algorithm bandwidth."""
+    busbw: float
+    """algbw x 2(n-1)/n, nccl-tests' bus bandwidth of an all-reduce."""
+
+
+def timing_record(name: str, size: int, timing: dict, world_size: int) -> Timing:
+    """The Timing of one point of collectives.sweep."""
+    nbytes, seconds = 4 * size, min(timing["seconds"])
+    return Timing(name, size, nbytes, seconds, statistics.median(timing["seconds"]), timing["seconds"],
+                  timing["calls"], alpha_beta.algbw(nbytes, seconds),
+                  alpha_beta.busbw("all_reduce", nbytes, seconds, world_size))
+
+
+def collectives_lab(ctx, records, options: Options) -> dict:
+    profile = resolve_profile(options)
+    sizes, repeats = list(options.sizes or profile.sweep_sizes), options.repeats or profile.repeats
     for row in collectives.collective_tables(ctx):
-        records.write("table", **row)
-    for row in collectives.check_algorithms(ctx, check_sizes(ctx.world_size)):
-        records.write("check", **row)
-    records.progress(0, profile.repeats)
-    timings = collectives.sweep(ctx, profile.sweep_sizes, profile.repeats,
-                                on_repeat=lambda done: records.progress(done, profile.repeats))
+        records.write(Holding(**row))
+    for row in collectives.check_algorithms(ctx, collectives.check_sizes(ctx.world_size), options.ring_timeout_s):
+        records.write(Check(**row))
+    records.progress(0, repeats)
+    timings = collectives.sweep(ctx, sizes, repeats, on_repeat=lambda done: records.progress(done, repeats))
     for (name, size), timing in timings.items():
-        nbytes, seconds = 4 * size, min(timing["seconds"])
-        records.write("timing", algorithm=name, size=size, bytes=nbytes, seconds=seconds,
-                      median_s=statistics.median(timing["seconds"]), repeats_s=timing["seconds"],
-                      calls_per_repeat=timing["calls"], algbw=alpha_beta.algbw(nbytes, seconds),
-                      busbw=alpha_beta.busbw("all_reduce", nbytes, seconds, ctx.world_size))
-    fits, fits_median = fit_sweep(timings, min), fit_sweep(timings, statistics.median)
+        records.write(timing_record(name, size, timing, ctx.world_size))
+    fits = {name: dataclasses.asdict(fit) for name, fit in alpha_beta.fit_sweep(timings, min).items()}
+    fits_median = {name: dataclasses.asdict(fit)
+                   for name, fit in alpha_beta.fit_sweep(timings, statistics.median).items()}
     for name, fit in fits.items() if ctx.is_main else ():
         print(f"{name:<16} alpha {fit['alpha_s'] * 1e6:9.1f} us  1/beta {1 / fit['beta_s_per_byte'] / 1e9:7.2f} GB/s"
               f"  R^2 {fit['r2']:.3f} (on the medians: {fits_median[name]['r2']:.3f})")
-    return {"profile": profile.name, "fits": fits, "fits_median": fits_median, "sizes": list(profile.sweep_sizes),
-            "repeats": profile.repeats,
+    return {"profile": profile.name, "fits": fits, "fits_median": fits_median, "sizes": sizes,
+            "repeats": repeats,
             "statistic": "fits: fastest repeat; fits_median: median repeat; a repeat is a loop's time per call, "
                          "slowest rank"}
 
 
-def launch_collectives(nproc: int, profile: str | None = None, timeout: float = 300.0):
-    """Run this lab from a notebook (the default cell and the controls both call this).
-
-    A 30 s process-group timeout: a broken ring raises within it instead of waiting forever.
-    """
-    from labsrc import launch
-    args = ["--pg-timeout-s", "30"] + (["--profile", profile] if profile else [])
-    return launch.run("collectives", nproc=nproc, args=args, timeout=timeout)
-
-
 def main(argv=None):
-    return run_lab("collectives", collectives_lab, base_parser(__doc__.splitlines()[0]).parse_args(argv))
+    return run_lab("collectives", collectives_lab, Options, argv)
 
 
 if __name__ == "__main__":

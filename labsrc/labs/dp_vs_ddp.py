@@ -1,224 +1,299 @@
 """The DDP sync experiment on n ranks: broadcast, equal gradients, identical parameters, buffers, curves, step time.
 
+    launch.run("dp_vs_ddp", nproc=2, global_batch=32)
+    python -m labsrc.launch --nproc 2 dp_vs_ddp -- --global-batch 32
     torchrun --nproc-per-node 2 -m labsrc.labs.dp_vs_ddp --profile ci
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
-from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc.training import data
 from labsrc import dp_vs_ddp
-from labsrc.core.lab import base_parser, resolve_profile, run_lab
+from labsrc.core.lab import resolve_profile, run_lab
+from labsrc.core.options import LabOptions, positive
+from labsrc.core.runs import Record
+from labsrc.core.world import RequestError
+from labsrc.training import data
+from labsrc.training.loop import step
+from labsrc.training.models import build_model
 from labsrc.training.timing import timed
-from labsrc.training.models import TinyCNN, build_model
-from labsrc.training.loop import set_tf32
-
-# (name, BatchNorm in the model, BatchNorm statistics over the global batch): the training runs compared.
-VARIANTS = (("no BatchNorm", False, False),
-            ("BatchNorm, per-rank statistics", True, False),
-            ("BatchNorm, global statistics", True, True))
 
 
-def global_batch(size: int, profile, seed: int):
-    """The same (G, 3, H, W) images and (G,) labels on every rank."""
-    return data.synthetic_images(size, profile.image_size, seed=seed).tensors
+@dataclass
+class Options(LabOptions):
+    """DDP beside one process: gradients, parameters, buffers, BatchNorm statistics, loss curves, step time."""
+
+    global_batch: int = 0
+    """Samples per step over all ranks, a multiple of the world size (0: the profile's, rounded down to one)."""
+
+    def validate(self) -> None:
+        super().validate()
+        positive("global_batch", self.global_batch, allow_zero=True)
 
 
-def build(ctx, seed: int, batch_norm: bool, global_statistics: bool = False) -> torch.nn.Module:
-    """TinyCNN from `seed`; with global_statistics its BatchNorm layers normalise over the global batch."""
-    torch.manual_seed(seed)
-    model = TinyCNN(batch_norm=batch_norm).to(ctx.device)
-    return dp_vs_ddp.with_global_batch_norm(model, ctx.device) if global_statistics else model
+@dataclass
+class Broadcast(Record):
+    """Largest gap to rank 0 before and after DDP(model): its construction broadcasts rank 0's state."""
+
+    KIND: ClassVar[str] = "broadcast"
+    parameters_before: float
+    parameters_after: float
+    buffers_before: float
+    buffers_after: float
+
+
+@dataclass
+class Gradients(Record):
+    """This rank's gradients after backward, each as its largest gap to the one-process full-batch gradient."""
+
+    KIND: ClassVar[str] = "gradients"
+    ddp_vs_full_batch: float
+    hand_vs_full_batch: float
+    """Gradients averaged by dp_vs_ddp.average_gradients instead of DDP."""
+    local_vs_full_batch: float
+    """This rank's own shard's gradient, not averaged."""
+    spread_across_ranks: float
+    largest_gradient: float
+    batch_norm_local_vs_full_batch: float
+    batch_norm_global_vs_full_batch: float
+    batch_norm_largest_gradient: float
+    shard_size: int
+
+
+@dataclass
+class Buffers(Record):
+    """BatchNorm running statistics across ranks after three forwards, with DDP's buffer sync on or off."""
+
+    KIND: ClassVar[str] = "buffers"
+    buffer_sync: bool
+    spread_seen_by_forward: float
+    spread_after_forward: float
+
+
+@dataclass
+class Statistics(Record):
+    """One BatchNorm layer on this rank's shard against the same layer on the whole global batch."""
+
+    KIND: ClassVar[str] = "statistics"
+    layer: str
+    """Class name of the global-statistics layer (SyncBatchNorm or GlobalBatchNorm2d)."""
+    local_output_vs_full: float
+    global_output_vs_full: float
+    global_running_mean_vs_full: float
+    global_running_var_vs_full: float
+
+
+@dataclass
+class DdpStep(Record):
+    """One DDP training step of a variant: this rank's loss and the parameters' spread across ranks."""
+
+    KIND: ClassVar[str] = "ddp_step"
+    variant: str
+    """A dp_vs_ddp.VARIANTS key."""
+    step: int
+    loss: float
+    parameter_spread: float
+
+
+@dataclass
+class SingleStep(Record):
+    """One step of rank 0 training alone on the whole global batch."""
+
+    KIND: ClassVar[str] = "single_step"
+    batch_norm: bool
+    step: int
+    loss: float
+
+
+@dataclass
+class StepTiming(Record):
+    """Seconds of each phase of one timed DDP step; local_backward_s is the backward again under no_sync."""
+
+    KIND: ClassVar[str] = "timing"
+    model: str
+    step: int
+    forward_s: float
+    backward_s: float
+    local_backward_s: float
+    optimizer_s: float
 
 
 def construction_broadcast(ctx, records, seed: int) -> None:
     """Seed every rank differently, then wrap in DDP: rank 0's parameters and buffers win."""
-    model = build(ctx, seed + 1000 * ctx.rank, batch_norm=True)
+    model = dp_vs_ddp.seeded_model(ctx.device, seed + 1000 * ctx.rank, batch_norm=True)
     with torch.no_grad():  # give the buffers rank-dependent values too (fresh ones are all 0 and 1)
         model(torch.randn(8, 3, 8, 8, device=ctx.device))
     buffers = dp_vs_ddp.batch_norm_buffers(model)
-    before = dp_vs_ddp.spread_across_ranks(list(model.parameters()))
+    parameters_before = dp_vs_ddp.spread_across_ranks(list(model.parameters()))
     buffers_before = dp_vs_ddp.spread_across_ranks(buffers)
     wrapped = DDP(model)
-    records.write("broadcast", before=before, after=dp_vs_ddp.spread_across_ranks(list(wrapped.parameters())),
-                  buffers_before=buffers_before, buffers_after=dp_vs_ddp.spread_across_ranks(buffers))
-
-
-def ddp_gradients(ctx, model: torch.nn.Module, images, labels) -> dict:
-    """This rank's gradients after DDP's backward on its shard of the global batch."""
-    wrapped = DDP(copy.deepcopy(model))
-    mine = dp_vs_ddp.shard(images, ctx.rank, ctx.world_size), dp_vs_ddp.shard(labels, ctx.rank, ctx.world_size)
-    F.cross_entropy(wrapped(mine[0]), mine[1]).backward()
-    return dp_vs_ddp.gradients(wrapped)
+    records.write(Broadcast(parameters_before, dp_vs_ddp.spread_across_ranks(list(wrapped.parameters())),
+                            buffers_before, dp_vs_ddp.spread_across_ranks(buffers)))
 
 
 def gradient_equivalence(ctx, records, images, labels, seed: int) -> None:
-    """DDP's gradient, the hand-averaged one and the single-process full-batch one, compared."""
+    """DDP's gradient, the hand-averaged one and a shard's own one against the single-process full batch."""
     images, labels = images.to(ctx.device), labels.to(ctx.device)
-    model = build(ctx, seed, batch_norm=False)
+    mine, my_labels = (dp_vs_ddp.shard(t, ctx.rank, ctx.world_size) for t in (images, labels))
+    model = dp_vs_ddp.seeded_model(ctx.device, seed, batch_norm=False)
     reference = dp_vs_ddp.full_batch_gradients(model, images, labels)
-    with_ddp = ddp_gradients(ctx, model, images, labels)
-    by_hand = copy.deepcopy(model)
-    mine, my_labels = dp_vs_ddp.shard(images, ctx.rank, ctx.world_size), dp_vs_ddp.shard(labels, ctx.rank, ctx.world_size)
-    F.cross_entropy(by_hand(mine), my_labels).backward()
-    local = dp_vs_ddp.gradients(by_hand)
-    dp_vs_ddp.average_gradients(by_hand, ctx.world_size)
-    hand = dp_vs_ddp.gradients(by_hand)
-    bn_model = build(ctx, seed, batch_norm=True)
+    with_ddp = dp_vs_ddp.shard_gradients(ctx, model, images, labels)
+    local = dp_vs_ddp.full_batch_gradients(model, mine, my_labels)
+    bn_model = dp_vs_ddp.seeded_model(ctx.device, seed, batch_norm=True)
     bn_reference = dp_vs_ddp.full_batch_gradients(bn_model, images, labels)
-    bn_local = ddp_gradients(ctx, bn_model, images, labels)
-    bn_global = ddp_gradients(ctx, dp_vs_ddp.with_global_batch_norm(copy.deepcopy(bn_model), ctx.device),
-                              images, labels)
-    records.write("gradients",
-                  ddp_vs_full_batch=dp_vs_ddp.largest_gap(with_ddp, reference),
-                  hand_vs_full_batch=dp_vs_ddp.largest_gap(hand, reference),
-                  local_vs_full_batch=dp_vs_ddp.largest_gap(local, reference),
-                  spread_across_ranks=dp_vs_ddp.spread_across_ranks(list(with_ddp.values())),
-                  largest_gradient=max(g.abs().max().item() for g in reference.values()),
-                  batch_norm_local_vs_full_batch=dp_vs_ddp.largest_gap(bn_local, bn_reference),
-                  batch_norm_global_vs_full_batch=dp_vs_ddp.largest_gap(bn_global, bn_reference),
-                  batch_norm_largest_gradient=max(g.abs().max().item() for g in bn_reference.values()),
-                  shard_size=int(mine.shape[0]))
+    bn_global = dp_vs_ddp.with_global_batch_norm(copy.deepcopy(bn_model), ctx.device)
+    largest = lambda gradients: max(g.abs().max().item() for g in gradients.values())
+    records.write(Gradients(
+        ddp_vs_full_batch=dp_vs_ddp.largest_gap(with_ddp, reference),
+        hand_vs_full_batch=dp_vs_ddp.largest_gap(
+            dp_vs_ddp.shard_gradients(ctx, model, images, labels, by_hand=True), reference),
+        local_vs_full_batch=dp_vs_ddp.largest_gap(local, reference),
+        spread_across_ranks=dp_vs_ddp.spread_across_ranks(list(with_ddp.values())),
+        largest_gradient=largest(reference),
+        batch_norm_local_vs_full_batch=dp_vs_ddp.largest_gap(
+            dp_vs_ddp.shard_gradients(ctx, bn_model, images, labels), bn_reference),
+        batch_norm_global_vs_full_batch=dp_vs_ddp.largest_gap(
+            dp_vs_ddp.shard_gradients(ctx, bn_global, images, labels), bn_reference),
+        batch_norm_largest_gradient=largest(bn_reference), shard_size=int(mine.shape[0])))
 
 
-def batch_norm_experiments(ctx, records, images, seed: int) -> None:
-    """Rank-local BatchNorm buffers with and without DDP's buffer sync; statistics of the global batch."""
-    mine = dp_vs_ddp.shard(images, ctx.rank, ctx.world_size).to(ctx.device)
-    for broadcast in (False, True):
-        model = DDP(build(ctx, seed, batch_norm=True), **dp_vs_ddp.buffer_sync_option(broadcast))
+def buffer_experiments(ctx, records, mine, seed: int) -> None:
+    """Rank-local BatchNorm buffers with and without DDP's buffer sync: mine is this rank's (N, 3, H, W)."""
+    for sync in (False, True):
+        model = DDP(dp_vs_ddp.seeded_model(ctx.device, seed, batch_norm=True), **dp_vs_ddp.buffer_sync_option(sync))
         seen: list = []
         model.module.register_forward_pre_hook(
             lambda module, args: seen.append([b.clone() for b in dp_vs_ddp.batch_norm_buffers(module)]))
         for _ in range(3):
             model(mine).sum().backward()
-        records.write("buffers", broadcast_buffers=broadcast,
-                      spread_seen_by_forward=dp_vs_ddp.spread_across_ranks(seen[-1]),
-                      spread_after_forward=dp_vs_ddp.spread_across_ranks(dp_vs_ddp.batch_norm_buffers(model.module)))
-    features = build(ctx, seed, batch_norm=True).features[0]
+        records.write(Buffers(sync, dp_vs_ddp.spread_across_ranks(seen[-1]),
+                              dp_vs_ddp.spread_across_ranks(dp_vs_ddp.batch_norm_buffers(model.module))))
+
+
+def statistics_experiment(ctx, records, images, seed: int) -> None:
+    """The first BatchNorm of the model on this rank's shard, per-rank and global statistics, vs the full batch."""
+    mine = dp_vs_ddp.shard(images, ctx.rank, ctx.world_size).to(ctx.device)
+    buffer_experiments(ctx, records, mine, seed)
+    features = dp_vs_ddp.seeded_model(ctx.device, seed, batch_norm=True).features[0]
     with torch.no_grad():
         whole, shard_features = features(images.to(ctx.device)), features(mine)
-        reference = torch.nn.BatchNorm2d(whole.shape[1], momentum=1.0).to(ctx.device)
+        channels = whole.shape[1]
+        reference = torch.nn.BatchNorm2d(channels, momentum=1.0).to(ctx.device)
         full_output = dp_vs_ddp.shard(reference(whole), ctx.rank, ctx.world_size)
-        local_output = torch.nn.BatchNorm2d(whole.shape[1]).to(ctx.device)(shard_features)
-        layer = dp_vs_ddp.with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(whole.shape[1])),
-                                            ctx.device).to(ctx.device)
+        local_output = torch.nn.BatchNorm2d(channels).to(ctx.device)(shard_features)
+        layer = dp_vs_ddp.with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(channels)),
+                                                 ctx.device).to(ctx.device)
         layer[0].momentum = 1.0  # running statistics := this batch's
         global_output = layer(shard_features)
-    records.write("statistics", layer=type(layer[0]).__name__,
-                  local_output_vs_full=(local_output - full_output).abs().max().item(),
-                  global_output_vs_full=(global_output - full_output).abs().max().item(),
-                  global_running_mean_vs_full=(layer[0].running_mean - reference.running_mean).abs().max().item(),
-                  global_running_var_vs_full=(layer[0].running_var - reference.running_var).abs().max().item())
+    gap = lambda left, right: (left - right).abs().max().item()
+    records.write(Statistics(type(layer[0]).__name__, gap(local_output, full_output),
+                             gap(global_output, full_output), gap(layer[0].running_mean, reference.running_mean),
+                             gap(layer[0].running_var, reference.running_var)))
 
 
-def sgd_step(model, optimizer, images, labels) -> torch.Tensor:
-    """One plain training step, the same for DDP and for the single process beside it; returns the loss."""
-    loss = F.cross_entropy(model(images), labels)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    optimizer.step()
-    return loss
-
-
-def train_ddp(ctx, records, profile, dataset, variant, seed: int) -> None:
+def train_ddp(ctx, records, profile, dataset, variant: dp_vs_ddp.Variant, seed: int) -> None:
     """One DDP run: per-step loss and the parameters' spread across ranks after each step."""
-    name, batch_norm, global_statistics = variant
-    model = DDP(build(ctx, seed, batch_norm, global_statistics))
+    model = DDP(dp_vs_ddp.seeded_model(ctx.device, seed, variant.batch_norm, variant.global_statistics))
     optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
     batches = iter(data.DeviceBatches(dataset, profile.global_batch // ctx.world_size, ctx, seed=seed))
-    for step in range(profile.steps):
-        loss = sgd_step(model, optimizer, *next(batches))
-        records.write("step", variant=name, step=step, loss=loss.item(),
-                      parameter_spread=dp_vs_ddp.spread_across_ranks(list(model.parameters())))
+    for index in range(profile.steps):
+        loss = step(model, optimizer, *next(batches))
+        records.write(DdpStep(variant.key, index, loss.item(),
+                              dp_vs_ddp.spread_across_ranks(list(model.parameters()))))
+
+
+def train_single(ctx, records, profile, dataset, batch_norm: bool, seed: int) -> None:
+    """Rank 0 alone: the same start, one process, the whole global batch each step (the union of the shards)."""
+    alone = dataclasses.replace(ctx, rank=0, local_rank=0, world_size=1)
+    model = dp_vs_ddp.seeded_model(ctx.device, seed, batch_norm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
+    batches = iter(data.DeviceBatches(dataset, profile.global_batch, alone, seed=seed))
+    for index in range(profile.steps):
+        records.write(SingleStep(batch_norm, index, step(model, optimizer, *next(batches)).item()))
 
 
 def time_steps(ctx, records, profile, dataset, seed: int) -> None:
     """DDP steps of the profile's model, each phase timed; the backward again under no_sync (compute only).
 
-    One warm-up step, then profile.repeats timed steps, one "timing" record each.
+    One warm-up step, then profile.repeats timed steps, one StepTiming record each.
     """
     torch.manual_seed(seed)
     model = DDP(build_model(profile.model).to(ctx.device))
     optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
     batches = iter(data.DeviceBatches(dataset, profile.global_batch // ctx.world_size, ctx, seed=seed))
-    for step in range(1 + profile.repeats):
+    loss_of = lambda images, labels: torch.nn.functional.cross_entropy(model(images), labels)
+    for index in range(1 + profile.repeats):
         images, labels = next(batches)
         with timed(ctx.device) as forward:
-            loss = F.cross_entropy(model(images), labels)
+            loss = loss_of(images, labels)
         optimizer.zero_grad(set_to_none=True)
         with timed(ctx.device) as backward:
             loss.backward()
         with timed(ctx.device) as update:
             optimizer.step()
         with model.no_sync():  # no_sync must cover the forward: DDP arms its reducer there
-            local_loss = F.cross_entropy(model(images), labels)
+            local_loss = loss_of(images, labels)
             optimizer.zero_grad(set_to_none=True)
             with timed(ctx.device) as local:
                 local_loss.backward()
         optimizer.zero_grad(set_to_none=True)
-        if step > 0:  # the first step pays for warm-up
-            records.write("timing", model=profile.model, step=step, forward_s=forward["s"],
-                          backward_s=backward["s"], local_backward_s=local["s"], optimizer_s=update["s"])
+        if index > 0:  # the first step pays for warm-up
+            records.write(StepTiming(profile.model, index, forward["s"], backward["s"], local["s"], update["s"]))
 
 
-def train_single(ctx, records, profile, dataset, batch_norm: bool, seed: int) -> None:
-    """Rank 0 alone: the same start, one process, the whole global batch each step (the union of the shards)."""
-    alone = dataclasses.replace(ctx, rank=0, local_rank=0, world_size=1)
-    model = build(ctx, seed, batch_norm)
-    optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
-    batches = iter(data.DeviceBatches(dataset, profile.global_batch, alone, seed=seed))
-    for step in range(profile.steps):
-        loss = sgd_step(model, optimizer, *next(batches))
-        records.write("single_step", batch_norm=batch_norm, step=step, loss=loss.item())
+def global_batch_for(options: Options, profile, world_size: int) -> int:
+    """The global batch to use: the option's, which must split over the ranks, else the profile's rounded down."""
+    if not options.global_batch:
+        return max(world_size, profile.global_batch - profile.global_batch % world_size)
+    if options.global_batch % world_size:
+        lower = max(world_size, options.global_batch - options.global_batch % world_size)
+        raise RequestError(f"global_batch {options.global_batch} does not split over {world_size} ranks: "
+                           f"choose a multiple of {world_size}, e.g. {lower} or {lower + world_size}.")
+    return options.global_batch
 
 
-def dp_vs_ddp(ctx, records, args) -> dict:
-    profile = resolve_profile(args)
-    if args.global_batch:
-        profile = profile.replace(global_batch=args.global_batch)
-    if profile.global_batch % ctx.world_size:
-        raise ValueError(f"global batch {profile.global_batch} does not split evenly over {ctx.world_size} "
-                         f"ranks: choose a multiple of {ctx.world_size}")
-    set_tf32(False)  # plain float32 on GPUs too: the comparisons are about the math, not TF32 rounding
-    construction_broadcast(ctx, records, args.seed)
-    images, labels = global_batch(profile.global_batch, profile, args.seed)
-    gradient_equivalence(ctx, records, images, labels, args.seed)
-    batch_norm_experiments(ctx, records, images, args.seed)
-    dataset = data.synthetic_images(profile.num_samples, profile.image_size, seed=args.seed)
-    runs = len(VARIANTS) + 1 + (2 if ctx.is_main else 0)
-    for index, variant in enumerate(VARIANTS):
-        train_ddp(ctx, records, profile, dataset, variant, args.seed)
-        records.progress(index + 1, runs)
-    time_steps(ctx, records, profile, dataset, args.seed)
-    records.progress(len(VARIANTS) + 1, runs)
+def experiments(ctx, records, options: Options) -> dict:
+    profile = resolve_profile(options)
+    profile = profile.replace(global_batch=global_batch_for(options, profile, ctx.world_size))
+    images, labels = data.synthetic_images(profile.global_batch, profile.image_size, seed=options.seed).tensors
+    construction_broadcast(ctx, records, options.seed)
+    gradient_equivalence(ctx, records, images, labels, options.seed)
+    statistics_experiment(ctx, records, images, options.seed)
+    dataset = data.synthetic_images(profile.num_samples, profile.image_size, seed=options.seed)
+    total = len(dp_vs_ddp.VARIANTS) + 1 + (2 if ctx.is_main else 0)
+    for index, variant in enumerate(dp_vs_ddp.VARIANTS):
+        train_ddp(ctx, records, profile, dataset, variant, options.seed)
+        records.progress(index + 1, total)
+    time_steps(ctx, records, profile, dataset, options.seed)
+    records.progress(len(dp_vs_ddp.VARIANTS) + 1, total)
     if ctx.is_main:
         for index, batch_norm in enumerate((False, True)):
-            train_single(ctx, records, profile, dataset, batch_norm, args.seed)
-            records.progress(len(VARIANTS) + index + 2, runs)
+            train_single(ctx, records, profile, dataset, batch_norm, options.seed)
+            records.progress(total - 1 + index, total)
     return {"profile": profile.name, "global_batch": profile.global_batch, "steps": profile.steps,
             "model": profile.model, "timed_steps": profile.repeats,
-            "per_rank_batch": profile.global_batch // ctx.world_size, "variants": [v[0] for v in VARIANTS]}
+            "per_rank_batch": profile.global_batch // ctx.world_size,
+            "variants": [variant.key for variant in dp_vs_ddp.VARIANTS]}
 
 
-def launch_sync_experiment(nproc: int, global_batch: int | None = None, profile: str | None = None,
-                           timeout: float = 600.0):
-    """Run this lab on nproc ranks from a notebook (the default cell and the controls both call this)."""
-    from labsrc import launch
-    args = ["--profile", profile] if profile else []
-    args += ["--global-batch", global_batch] if global_batch else []
-    return launch.run("dp_vs_ddp", nproc=nproc, args=args, timeout=timeout)
+def dp_vs_ddp_lab(ctx, records, options: Options) -> dict:
+    """The experiments in plain float32 on GPUs too (about the math, not TF32 rounding); TF32 restored after."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        return experiments(ctx, records, options)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def main(argv=None):
-    parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--global-batch", type=int, default=None,
-                        help="samples per step over all ranks (default: the profile's)")
-    return run_lab("dp_vs_ddp", dp_vs_ddp, parser.parse_args(argv))
+    return run_lab("dp_vs_ddp", dp_vs_ddp_lab, Options, argv)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from labsrc.alpha_beta import AlphaBeta
+from labsrc.labs.collectives import Holding, Timing
 from labsrc.plots import new_axes
 
 
@@ -11,37 +12,36 @@ def _cell(values: list) -> str:
 
 def holdings_table(result) -> str:
     """What every rank held before and after each collective: one small table per collective."""
-    by_collective: dict[str, list] = {}
-    for record in result.of_kind("table"):
-        by_collective.setdefault(record["collective"], []).append(record)
+    by_collective: dict[str, list[Holding]] = {}
+    for record in result.of(Holding):
+        by_collective.setdefault(record.collective, []).append(record)
     lines = []
-    for name, rows in by_collective.items():
-        lines += [name, f"  {'rank':<6}{'before':<24}after"]
-        for row in sorted(rows, key=lambda r: r["rank"]):
-            lines.append(f"  {row['rank']:<6}{_cell(row['before']):<24}{_cell(row['after'])}")
+    for rows in by_collective.values():
+        lines += [rows[0].label, f"  {'rank':<6}{'before':<24}after"]
+        for row in sorted(rows, key=lambda r: r.rank):
+            lines.append(f"  {row.rank:<6}{_cell(row.before):<24}{_cell(row.after)}")
         lines.append("")
     return "\n".join(lines)
 
 
-def bytes_table(rows_by_world: dict[int, list[dict]]) -> str:
-    """Bytes each rank sent per hand-written algorithm against the formula; rows_by_world: {n: check records}."""
+def bytes_table(rows_by_world: dict) -> str:
+    """Bytes each rank sent per hand-written algorithm against the formula; rows_by_world: {n: [Check, ...]}."""
     lines = [f"{'ranks':>5} {'algorithm':>9} {'size':>6} {'bytes':>7}  sent by rank 0..n-1 (formula)"]
     for world_size, rows in sorted(rows_by_world.items()):
-        keys = sorted({(r["algorithm"], r["size"]) for r in rows if r["bytes_formula"] is not None})
+        keys = sorted({(r.algorithm, r.size) for r in rows if r.bytes_formula is not None})
         for name, size in keys:
-            per_rank = sorted((r for r in rows if (r["algorithm"], r["size"]) == (name, size)),
-                              key=lambda r: r["rank"])
-            sent = " ".join(f"{r['bytes_sent']}({r['bytes_formula']})" for r in per_rank)
+            per_rank = sorted((r for r in rows if (r.algorithm, r.size) == (name, size)), key=lambda r: r.rank)
+            sent = " ".join(f"{r.bytes_sent}({r.bytes_formula})" for r in per_rank)
             lines.append(f"{world_size:>5} {name:>9} {size:>6} {4 * size:>7}  {sent}")
     return "\n".join(lines)
 
 
-def timings_by_algorithm(result) -> dict[str, list[dict]]:
-    """{algorithm: rank 0's timing records, smallest message first}."""
-    series: dict[str, list] = {}
-    for record in result.of_kind("timing", rank=0):
-        series.setdefault(record["algorithm"], []).append(record)
-    return {name: sorted(rows, key=lambda r: r["bytes"]) for name, rows in series.items()}
+def timings_by_algorithm(result) -> dict[str, list[Timing]]:
+    """{algorithm: rank 0's Timing records, smallest message first} (every rank records the slowest rank's)."""
+    series: dict[str, list[Timing]] = {}
+    for record in result.of(Timing, rank=0):
+        series.setdefault(record.algorithm, []).append(record)
+    return {name: sorted(rows, key=lambda r: r.bytes) for name, rows in series.items()}
 
 
 def sweep_with_fits(result, ax=None):
@@ -51,10 +51,10 @@ def sweep_with_fits(result, ax=None):
                   "message size (bytes)", "time per call (s)", ax, figsize=(7.5, 4.2))
     for index, (name, rows) in enumerate(timings_by_algorithm(result).items()):
         color = f"C{index}"
-        sizes = [r["bytes"] for r in rows]
+        sizes = [r.bytes for r in rows]
         for row in rows:
-            ax.plot([row["bytes"]] * len(row["repeats_s"]), row["repeats_s"], ".", color=color, alpha=0.25)
-        ax.plot(sizes, [r["seconds"] for r in rows], "o", color=color, label=f"{name} (fastest repeat)")
+            ax.plot([row.bytes] * len(row.repeats_s), row.repeats_s, ".", color=color, alpha=0.25)
+        ax.plot(sizes, [r.seconds for r in rows], "o", color=color, label=f"{name} (fastest repeat)")
         fit = AlphaBeta(**result.summary["fits"][name])
         grid = np.logspace(np.log10(min(sizes)), np.log10(max(sizes)), 50)
         ax.plot(grid, [fit.time_s(b) for b in grid], "-", color=color,
@@ -70,9 +70,9 @@ def bus_bandwidth(result, ax=None):
     """algbw (dashed) and busbw (solid), nccl-tests' definitions, per message size."""
     ax = new_axes(f"Bandwidth on {result.nproc} ranks", "message size (bytes)", "GB/s", ax)
     for index, (name, rows) in enumerate(timings_by_algorithm(result).items()):
-        sizes = [r["bytes"] for r in rows]
-        ax.plot(sizes, [r["busbw"] / 1e9 for r in rows], "o-", color=f"C{index}", label=f"{name} busbw")
-        ax.plot(sizes, [r["algbw"] / 1e9 for r in rows], ".--", color=f"C{index}", alpha=0.6,
+        sizes = [r.bytes for r in rows]
+        ax.plot(sizes, [r.busbw / 1e9 for r in rows], "o-", color=f"C{index}", label=f"{name} busbw")
+        ax.plot(sizes, [r.algbw / 1e9 for r in rows], ".--", color=f"C{index}", alpha=0.6,
                 label=f"{name} algbw")
     ax.set_xscale("log")
     ax.legend(fontsize=7)
