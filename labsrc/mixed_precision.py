@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
-import time
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from labsrc.training.loop import TrainConfig, autocast, make_optimizer, set_tf32, train
+from labsrc.training import loop
+from labsrc.training.loop import autocast, set_tf32
+from labsrc.training.timing import timed
 
 FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -126,22 +126,17 @@ def scaler_trace(steps: int = 24, overflow_steps: tuple = (7, 15), growth_interv
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     scaler = torch.amp.GradScaler(device.type, init_scale=init_scale, growth_interval=growth_interval)
     trace = []
-    for step in range(steps):
-        images, labels = toy_batch(seed=step, device=device)
-        if step in overflow_steps:
+    for index in range(steps):
+        images, labels = toy_batch(seed=index, device=device)
+        if index in overflow_steps:
             images = images * 1e5  # activations beyond fp16's 65504: inf in forward, inf gradients
-        optimizer.zero_grad(set_to_none=True)
-        with torch.amp.autocast(device_type=device.type, dtype=torch.float16):
-            loss = F.cross_entropy(model(images), labels)
         used = scaler.get_scale()
         before = [p.detach().clone() for p in model.parameters()]
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        loss = loop.step(model, optimizer, images, labels, "fp16", scaler)
         changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
-        trace.append({"step": step, "scale": used, "scale_after": scaler.get_scale(), "parameters_changed": changed,
+        trace.append({"step": index, "scale": used, "scale_after": scaler.get_scale(), "parameters_changed": changed,
                       "skipped": scaler.get_scale() < used, "loss": loss.item(),
-                      "injected_overflow": step in overflow_steps})
+                      "injected_overflow": index in overflow_steps})
     return trace
 
 
@@ -210,53 +205,61 @@ def saved_activation_bytes(model: nn.Module, images: torch.Tensor, labels: torch
 
 
 @contextlib.contextmanager
-def step_timer(device: torch.device):
-    """`with step_timer(device) as t:` then t["s"]: CUDA events on a GPU, perf_counter on the CPU."""
-    result = {"s": float("nan")}
-    if device.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        yield result
-        end.record()
-        end.synchronize()
-        result["s"] = start.elapsed_time(end) / 1000.0
-    else:
-        start_s = time.perf_counter()
-        yield result
-        result["s"] = time.perf_counter() - start_s
+def tf32_setting(enabled: bool):
+    """TF32 matmuls and convolutions on (or off) inside the block; the previous settings come back after."""
+    previous = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    set_tf32(enabled)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
 
 
-def mode_costs(make_model, images, labels, modes, ctx, steps: int = 5, seed: int = 0) -> dict[str, dict]:
-    """Per precision mode, the same model (same seed) trained on one batch by the course loop
-    (labsrc.training.loop.train, fp16 with its GradScaler), one step per call so each is timed: median step
-    time, losses, bytes kept for backward, and on a GPU the peak memory allocated.
+def mode_cost(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mode: str, steps: int,
+              growth_interval: int = 2000) -> dict:
+    """Train model on one batch for 1 + steps steps (the first a warm-up) with the course's step in this mode.
 
-    images: (N, C, H, W) and labels: (N,) on ctx.device.
+    images: (N, C, H, W) and labels: (N,) on the model's device. fp16 gets ONE GradScaler for all its
+    steps, so its loss scale adapts from step to step (growth_interval: GradScaler's, 2000 by default).
+    Returns per-step seconds (warm-up dropped), losses and loss scales used (fp16 only), and on a GPU
+    the peak memory allocated.
     """
-    device = ctx.device
-    batches = itertools.repeat((images, labels))
+    device = images.device
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    scaler = torch.amp.GradScaler(device.type, growth_interval=growth_interval) if mode == "fp16" else None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    seconds, losses, scales = [], [], []
+    with tf32_setting(mode == "tf32"):
+        for _ in range(steps + 1):
+            if scaler is not None:
+                scales.append(scaler.get_scale())
+            with timed(device) as timer:
+                losses.append(loop.step(model, optimizer, images, labels, mode, scaler))
+            seconds.append(timer["s"])
+    timed_s = seconds[1:]
+    return {"step_s": sorted(timed_s)[len(timed_s) // 2], "step_times_s": timed_s,
+            "losses": torch.stack(losses).float().tolist(), "loss_scales": scales,
+            "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
+
+
+def mode_costs(make_model, images, labels, modes, steps: int = 5, seed: int = 0,
+               growth_interval: int = 2000) -> dict[str, dict]:
+    """Per precision mode, the same model (same seed) trained on one batch by mode_cost, plus the bytes
+    autograd keeps for backward (total, elements, by dtype).
+
+    images: (N, C, H, W) and labels: (N,) on the device to measure.
+    """
     results = {}
     for mode in modes:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = make_model().to(device)
-        config = TrainConfig(steps=1, lr=0.01, precision=mode)
-        optimizer = make_optimizer(model, config)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
-        seconds, losses = [], []
-        for _ in range(steps + 1):  # the first is a warm-up
-            with step_timer(device) as timer:
-                losses += train(model, batches, ctx, config, optimizer=optimizer)["losses"]
-            seconds.append(timer["s"])
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            model = make_model().to(images.device)
+        cost = mode_cost(model, images, labels, mode, steps, growth_interval)
         saved = saved_activation_bytes(model, images, labels, mode)
-        results[mode] = {"step_s": sorted(seconds[1:])[len(seconds[1:]) // 2], "step_times_s": seconds[1:],
-                         "losses": losses, "activation_bytes": saved.pop("total"),
-                         "activation_elements": saved.pop("elements"), "activation_bytes_by_dtype": saved,
-                         "peak_memory_bytes": peak}
-    set_tf32(False)
+        results[mode] = {**cost, "activation_bytes": saved.pop("total"), "activation_elements": saved.pop("elements"),
+                         "activation_bytes_by_dtype": saved}
     return results
 
 
@@ -266,7 +269,8 @@ def accumulation_step(model: nn.Module, optimizer, scaler, micro_batches, device
 
     The first k-1 run forward and backward inside model.no_sync() (gradients pile up locally); the
     last one syncs, so DDP all-reduces the sum once. Each loss is divided by k, so the step uses the
-    mean gradient. Returns this rank's loss over its k micro-batches (a 0-dim tensor).
+    mean gradient. Returns this rank's loss over its k micro-batches (a 0-dim tensor). The course's
+    loop.step clears gradients before its backward, so accumulating micro-batches needs this loop.
     """
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)

@@ -4,10 +4,14 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labsrc import mixed_precision, dp_vs_ddp
-from labsrc.core.world import RankContext
-from labsrc.labs.mixed_precision import modes_for
-from labsrc.training.models import TinyCNN
+from labsrc.core import runs
 from labsrc.core.forked import run_ranks
+from labsrc.core.launch import RunResult
+from labsrc.core.profiles import PROFILES
+from labsrc.core.world import RequestError
+from labsrc.labs.mixed_precision import AmpStep, ModeCost, Options, SkippedMode, micro_batch_size, \
+    mixed_precision_lab, modes_for
+from labsrc.training.models import TinyCNN
 
 
 def test_formats_differ_where_they_should():
@@ -64,13 +68,65 @@ def test_autocast_saves_the_same_elements_in_half_the_bytes(mode):
 
 def test_mode_costs_report_every_mode():
     images, labels = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
-    ctx = RankContext(0, 0, 1, torch.device("cpu"), "gloo")
-    costs = mixed_precision.mode_costs(TinyCNN, images, labels, ["fp32", "bf16", "fp16"], ctx, steps=2)
+    costs = mixed_precision.mode_costs(TinyCNN, images, labels, ["fp32", "bf16", "fp16"], steps=2)
     assert set(costs) == {"fp32", "bf16", "fp16"} and all(len(c["step_times_s"]) == 2 for c in costs.values())
     assert all(len(c["losses"]) == 3 for c in costs.values())
     first = {mode: c["losses"][0] for mode, c in costs.items()}  # the same model and batch: agree to 16-bit precision
     assert abs(first["bf16"] - first["fp32"]) < 0.05 * first["fp32"] and abs(first["fp16"] - first["fp32"]) < 0.01 * first["fp32"]
     assert costs["bf16"]["activation_bytes"] < costs["fp32"]["activation_bytes"]
+    assert costs["fp32"]["loss_scales"] == [] and len(costs["fp16"]["loss_scales"]) == 3
+
+
+def test_fp16_keeps_one_grad_scaler_across_its_steps():
+    images, labels = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
+    costs = mixed_precision.mode_costs(TinyCNN, images, labels, ["fp16"], steps=4, growth_interval=1)
+    scales = costs["fp16"]["loss_scales"]
+    assert scales[0] == 2.0**16  # GradScaler's default init_scale
+    assert len(set(scales)) > 1, f"the loss scale never moved ({scales}): a fresh GradScaler every step?"
+
+
+def test_mode_costs_restore_the_tf32_settings():
+    previous = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    images, labels = torch.randn(4, 3, 16, 16), torch.randint(10, (4,))
+    try:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
+        mixed_precision.mode_costs(TinyCNN, images, labels, ["tf32", "fp32"], steps=1)
+        assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, True)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+def test_options_reject_bad_values_with_what_to_do():
+    assert Options.make(micro_steps=4).to_argv() == ["--micro-steps", "4"]
+    for bad in ({"micro_steps": 0}, {"timed_steps": -1}, {"amp_steps": -2}, {"micro_step": 2}):
+        with pytest.raises(RequestError):
+            Options.make(**bad)
+    with pytest.raises(SystemExit) as exit_status:
+        Options.parse(["--micro-steps", "0"])
+    assert exit_status.value.code == 2
+    with pytest.raises(RequestError, match="micro_steps <= 32"):
+        micro_batch_size(PROFILES["ci"], world_size=2, micro_steps=64)
+
+
+def _lab_on_rank(ctx, run_dir):
+    writer = runs.RecordWriter(run_dir, ctx.rank)
+    try:
+        return mixed_precision_lab(ctx, writer, Options.make(profile="ci", timed_steps=1, amp_steps=3))
+    finally:
+        writer.close()
+
+
+def test_lab_writes_typed_records_that_read_back(tmp_path):
+    summary = run_ranks(_lab_on_rank, world_size=2, args=(tmp_path,))[0]
+    result = RunResult("mixed_precision", 2, tmp_path, 0, 0.0, summary, runs.read_records(tmp_path))
+    costs = result.of(ModeCost, rank=0)
+    assert [c.mode for c in costs] == ["fp32", "bf16", "fp16"] and all(len(c.losses) == 2 for c in costs)
+    assert [s.mode for s in result.of(SkippedMode, rank=1)] == ["tf32"]
+    steps = result.of(AmpStep)
+    assert [s.step for s in steps] == [0, 1, 2] * 2 and all(s.parameter_spread == 0.0 for s in steps)
+    for mine, theirs in zip(result.of(AmpStep, rank=0), result.of(AmpStep, rank=1)):
+        assert mine.mean_loss == theirs.mean_loss == pytest.approx((mine.loss + theirs.loss) / 2)
+    assert summary["micro_steps"] == 2 and set(summary["modes"]) == {"fp32", "bf16", "fp16"}
 
 
 def test_cpu_modes_name_why_tf32_is_skipped():
@@ -116,12 +172,12 @@ def test_cuda_fp16_underflow_and_unscale_ratio():
 
 
 @needs_gpu
-def test_cuda_modes_report_peak_memory_and_event_timing():
+def test_cuda_modes_report_peak_memory_and_timing():
     device = torch.device("cuda", 0)
     modes, skipped = modes_for(device)
     assert modes[0] == "fp32" and modes[-1] == "fp16" and set(modes) | set(skipped) == {"fp32", "tf32", "bf16", "fp16"}
-    ctx = RankContext(0, 0, 1, device, "nccl")
     images, labels = torch.randn(32, 3, 16, 16, device=device), torch.randint(10, (32,), device=device)
-    costs = mixed_precision.mode_costs(TinyCNN, images, labels, modes, ctx, steps=2)
+    before = torch.backends.cuda.matmul.allow_tf32
+    costs = mixed_precision.mode_costs(TinyCNN, images, labels, modes, steps=2)
     assert all(c["peak_memory_bytes"] > 0 and c["step_s"] > 0 for c in costs.values())
-    assert torch.backends.cuda.matmul.allow_tf32 is False  # mode_costs leaves tf32 off again
+    assert torch.backends.cuda.matmul.allow_tf32 is before  # mode_costs restores the tf32 setting

@@ -1,16 +1,98 @@
 """Mixed precision on n ranks: step time and memory per mode, and AMP under DDP with gradient accumulation.
 
+    python -m labsrc.launch --nproc 2 mixed_precision -- --micro-steps 4
     torchrun --nproc-per-node 2 -m labsrc.labs.mixed_precision --profile ci
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import ClassVar
+
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from labsrc import dp_vs_ddp, mixed_precision
+from labsrc.core.lab import resolve_profile, run_lab
+from labsrc.core.options import LabOptions, positive
+from labsrc.core.runs import Record
+from labsrc.core.world import RequestError
 from labsrc.training import benchmark, data
-from labsrc import mixed_precision, dp_vs_ddp
-from labsrc.core.lab import base_parser, resolve_profile, run_lab
 from labsrc.training.models import build_model
+
+
+@dataclass
+class Options(LabOptions):
+    """Step time and memory per precision mode, then AMP under DDP with no_sync gradient accumulation."""
+
+    micro_steps: int = 2
+    """Micro-batches accumulated per optimizer step in the AMP + DDP run (no_sync on all but the last)."""
+    timed_steps: int = 5
+    """Timed steps per precision mode, after one warm-up step (the median is reported)."""
+    amp_steps: int = 0
+    """Optimizer steps of the AMP + DDP run (0: the profile's steps)."""
+
+    def validate(self) -> None:
+        super().validate()
+        positive("micro_steps", self.micro_steps)
+        positive("timed_steps", self.timed_steps)
+        positive("amp_steps", self.amp_steps, allow_zero=True)
+
+
+@dataclass
+class ModeCost(Record):
+    """One precision mode on this rank: the same model and batch trained 1 + timed_steps steps."""
+
+    KIND: ClassVar[str] = "mode"
+    mode: str
+    """fp32, tf32, bf16 or fp16."""
+    step_s: float
+    """Median seconds per step (the warm-up step left out)."""
+    step_times_s: list[float]
+    """Seconds of each timed step."""
+    losses: list[float]
+    """Loss at every step, the warm-up included."""
+    activation_bytes: int
+    """Bytes autograd keeps for backward during one forward (activations and 16-bit weight copies)."""
+    activation_elements: int
+    """Elements autograd keeps for backward during one forward."""
+    activation_bytes_by_dtype: dict[str, int]
+    """activation_bytes split by dtype name (float32, bfloat16, float16)."""
+    peak_memory_bytes: int | None
+    """Peak GPU memory allocated during the steps (None on a CPU)."""
+    loss_scales: list[float] = field(default_factory=list)
+    """fp16: the loss scale each step used, from one GradScaler kept across the steps (else empty)."""
+
+
+@dataclass
+class SkippedMode(Record):
+    """A precision mode this device cannot run, and why."""
+
+    KIND: ClassVar[str] = "skipped"
+    mode: str
+    reason: str
+
+
+@dataclass
+class AmpStep(Record):
+    """One optimizer step of AMP + DDP + accumulation, seen from this rank."""
+
+    KIND: ClassVar[str] = "amp_step"
+    step: int
+    loss: float
+    """This rank's loss over its micro-batches."""
+    mean_loss: float
+    """The loss averaged over all ranks (all_reduce), the same on every rank."""
+    mode: str
+    """The autocast mode: bf16 on CPUs, fp16 with a GradScaler on GPUs."""
+    micro_batch: int
+    """Samples per micro-batch on this rank."""
+    scale: float
+    """The GradScaler's loss scale after the step (1.0 when no scaler runs)."""
+    scale_spread: float
+    """Largest gap between this rank's loss scale and rank 0's (0.0: identical)."""
+    parameter_spread: float
+    """Largest gap between any parameter element here and on rank 0 (0.0: identical)."""
 
 
 def modes_for(device: torch.device) -> tuple[list[str], dict[str, str]]:
@@ -29,58 +111,71 @@ def modes_for(device: torch.device) -> tuple[list[str], dict[str, str]]:
     return modes + ["fp16"], skipped
 
 
-def amp_ddp_accumulation(ctx, records, profile, micro_steps: int, seed: int) -> str:
+def mean_over_ranks(value: torch.Tensor, ctx) -> float:
+    """The mean of a 0-dim tensor over all ranks (the value itself without a process group)."""
+    total = value.detach().float().clone()
+    if ctx.distributed:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.item() / ctx.world_size
+
+
+def micro_batch_size(profile, world_size: int, micro_steps: int) -> int:
+    """Samples per micro-batch on each rank; RequestError when the global batch cannot give each one a sample."""
+    size = profile.global_batch // (world_size * micro_steps)
+    if size < 1:
+        raise RequestError(f"global batch {profile.global_batch} over {world_size} ranks cannot be cut into "
+                           f"{micro_steps} micro-batches: use micro_steps <= {profile.global_batch // world_size}.")
+    return size
+
+
+def amp_ddp_accumulation(ctx, records, profile, options: Options) -> str:
     """DDP + autocast (bf16 on CPUs; fp16 + GradScaler on GPUs) + no_sync over micro_steps micro-batches.
 
-    Records per step this rank's loss and how far parameters and the loss scale differ across ranks.
+    Records per step this rank's loss, the mean over ranks, and how far parameters and the loss scale
+    differ across ranks. Returns the autocast mode used.
     """
-    torch.manual_seed(seed)
+    torch.manual_seed(options.seed)
     model = DDP(build_model(profile.model).to(ctx.device))
     optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
     mode = "fp16" if ctx.device.type == "cuda" else "bf16"
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=mode == "fp16")
-    dataset = data.synthetic_images(profile.num_samples, profile.image_size, seed=seed)
-    micro_batch = max(1, profile.global_batch // (ctx.world_size * micro_steps))
-    batches = iter(data.DeviceBatches(dataset, micro_batch, ctx, seed=seed))
-    for step in range(profile.steps):
-        micro_batches = [next(batches) for _ in range(micro_steps)]
+    dataset = data.synthetic_images(profile.num_samples, profile.image_size, seed=options.seed)
+    micro_batch = micro_batch_size(profile, ctx.world_size, options.micro_steps)
+    batches = iter(data.DeviceBatches(dataset, micro_batch, ctx, seed=options.seed))
+    steps = options.amp_steps or profile.steps
+    for step in range(steps):
+        micro_batches = [next(batches) for _ in range(options.micro_steps)]
         loss = mixed_precision.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode)
         scale = torch.tensor([scaler.get_scale() if scaler.is_enabled() else 1.0], device=ctx.device)
-        records.write("amp_step", step=step, loss=loss.item(), mode=mode, micro_batch=micro_batch,
-                      scale=scale.item(), scale_spread=dp_vs_ddp.spread_across_ranks([scale]),
-                      parameter_spread=dp_vs_ddp.spread_across_ranks(list(model.parameters())))
-        records.progress(step + 1, profile.steps)
+        records.write(AmpStep(step=step, loss=loss.item(), mean_loss=mean_over_ranks(loss, ctx), mode=mode,
+                              micro_batch=micro_batch, scale=scale.item(),
+                              scale_spread=dp_vs_ddp.spread_across_ranks([scale]),
+                              parameter_spread=dp_vs_ddp.spread_across_ranks(list(model.parameters()))))
+        records.progress(step + 1, steps)
     return mode
 
 
-def mixed_precision_lab(ctx, records, args) -> dict:
-    profile = resolve_profile(args)
+def mixed_precision_lab(ctx, records, options: Options) -> dict:
+    profile = resolve_profile(options)
+    micro_batch_size(profile, ctx.world_size, options.micro_steps)  # a bad request fails before any work
     modes, skipped = modes_for(ctx.device)
-    dataset = data.synthetic_images(profile.global_batch, profile.image_size, seed=args.seed)
+    dataset = data.synthetic_images(profile.global_batch, profile.image_size, seed=options.seed)
     images, labels = (t.to(ctx.device) for t in dataset.tensors)
-    costs = mixed_precision.mode_costs(lambda: build_model(profile.model), images, labels, modes, ctx)
+    costs = mixed_precision.mode_costs(lambda: build_model(profile.model), images, labels, modes,
+                                       steps=options.timed_steps, seed=options.seed)
     for mode, cost in costs.items():
-        records.write("mode", mode=mode, **cost)
+        records.write(ModeCost(mode=mode, **cost))
     for mode, reason in skipped.items():
-        records.write("skipped", mode=mode, reason=reason)
-    amp_mode = amp_ddp_accumulation(ctx, records, profile, args.micro_steps, args.seed)
+        records.write(SkippedMode(mode=mode, reason=reason))
+    amp_mode = amp_ddp_accumulation(ctx, records, profile, options)
     return {"profile": profile.name, "model": profile.model, "batch": profile.global_batch,
             "image_size": profile.image_size, "modes": costs, "skipped_modes": skipped,
-            "micro_steps": args.micro_steps, "amp_ddp_mode": amp_mode,
+            "micro_steps": options.micro_steps, "amp_ddp_mode": amp_mode,
             "provenance": benchmark.provenance(ctx.device)}
 
 
-def launch_mixed_precision(nproc: int, profile: str | None = None, micro_steps: int = 2, timeout: float = 300.0):
-    """Run this lab from a notebook (the default cell and the controls both call this)."""
-    from labsrc import launch
-    args = ["--micro-steps", micro_steps] + (["--profile", profile] if profile else [])
-    return launch.run("mixed_precision", nproc=nproc, args=args, timeout=timeout)
-
-
 def main(argv=None):
-    parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--micro-steps", type=int, default=2, help="micro-batches accumulated per optimizer step")
-    return run_lab("mixed_precision", mixed_precision_lab, parser.parse_args(argv))
+    return run_lab("mixed_precision", mixed_precision_lab, Options, argv)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from labsrc.plots import bars, curves, mean_over_ranks, new_axes
+from labsrc.plots import bars, curves, new_axes
 
 
 def scale_trace(trace: list[dict], expected: list[float] | None = None, ax=None):
@@ -31,13 +31,13 @@ def underflow_bars(result: dict, ax=None):
                 annotate="{:.1f}%")
 
 
-def mode_costs(rows: list[dict], ax_time=None, ax_bytes=None):
-    """Step time and activation bytes per precision mode, from the lab's "mode" records."""
+def mode_costs(rows: list, ax_time=None, ax_bytes=None):
+    """Step time and activation bytes per precision mode, from the lab's ModeCost records (one rank's)."""
     import matplotlib.pyplot as plt
     if ax_time is None or ax_bytes is None:
         _, (ax_time, ax_bytes) = plt.subplots(1, 2, figsize=(10, 3.4))
-    bars({r["mode"]: 1000 * r["step_s"] for r in rows}, "Step time (median)", "ms", ax=ax_time)
-    bars({r["mode"]: r["activation_bytes"] / 2**20 for r in rows}, "Kept for backward", "MiB", ax=ax_bytes)
+    bars({r.mode: 1000 * r.step_s for r in rows}, "Step time (median)", "ms", ax=ax_time)
+    bars({r.mode: r.activation_bytes / 2**20 for r in rows}, "Kept for backward", "MiB", ax=ax_bytes)
     return ax_time, ax_bytes
 
 
@@ -60,9 +60,8 @@ def beside_reference(mine: dict, references: list[dict], ax=None):
     return ax
 
 
-def amp_ddp_losses(result, ax=None):
-    """Loss per optimizer step of AMP + DDP + accumulation, averaged over ranks."""
-    steps, losses = mean_over_ranks(result, "amp_step", "loss")
-    mode = result.of_kind("amp_step", rank=0)[0]["mode"]
-    return curves({f"{mode} autocast, DDP, no_sync accumulation": (steps, losses)},
+def amp_ddp_losses(steps: list, ax=None):
+    """Loss per optimizer step of AMP + DDP + accumulation, averaged over ranks, from one rank's AmpStep records."""
+    label = f"{steps[0].mode} autocast, DDP, no_sync accumulation"
+    return curves({label: ([r.step for r in steps], [r.mean_loss for r in steps])},
                   "AMP under DDP with gradient accumulation", "optimizer step", "loss (mean over ranks)", ax=ax)
