@@ -6,48 +6,36 @@
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 import torch
 
-from labsrc.training import benchmark, data
-from labsrc.core.world import RankContext
-from labsrc.training.models import build_model
+from labsrc.core.hardware import Hardware, detect
+from labsrc.core.world import RankContext, RequestError, validate_request
+from labsrc.labs.bench import Options
 from labsrc.performance_scaling import gradient_bytes
+from labsrc.training import benchmark, data
+from labsrc.training.models import build_model
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m labsrc.bench", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model", default="tiny_cnn", choices=["tiny_cnn", "resnet18", "resnet50"],
-                   help="model to train (resnet18: 32x32 CIFAR variant; resnet50: torchvision's, 224x224)")
-    p.add_argument("--batch-size", type=int, default=64, help="images per step on each rank")
-    p.add_argument("--image-size", type=int, default=32, help="side of the square input images")
-    p.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "bf16", "fp16"],
-                   help="math mode: autocast dtype (fp16 adds a GradScaler); tf32 only matters on NVIDIA GPUs")
-    p.add_argument("--channels-last", action="store_true", help="NHWC memory format for model and inputs")
-    p.add_argument("--compile", action="store_true", help="torch.compile the model (falls back to eager on failure)")
-    p.add_argument("--compile-backend", default="inductor", help="torch.compile backend")
-    p.add_argument("--data", default="device", choices=["device", "loader"],
-                   help="device: the dataset resident on the device; loader: a DataLoader from host memory")
-    p.add_argument("--num-workers", type=int, default=0, help="DataLoader workers (with --data loader)")
-    p.add_argument("--world-size", type=int, default=1, help="ranks; above 1 the bench runs itself under torchrun")
-    p.add_argument("--ddp", action="store_true",
-                   help="wrap in DDP even at world size 1 (launched through torchrun, like --world-size above 1)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation, allocator, caches)")
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="the device's peak TFLOP/s for MFU; unset: looked up for known GPUs, none on a CPU")
-    p.add_argument("--out", type=Path, default=None, help="JSON file to write; unset: print only")
-    p.add_argument("--compare-loop", action="store_true",
-                   help="instead: time the course's training loop against a bare loop, and DDP at world size 1 "
-                        "against no DDP, and print the ratios")
-    p.add_argument("--rounds", type=int, default=15,
-                   help="with --compare-loop: timed rounds per configuration in alternating order; the fastest counts")
-    return p
+def parser():
+    """The command line: one flag per field of labsrc.labs.bench.Options, its help the field's docstring."""
+    return Options.parser(__doc__.splitlines()[0])
+
+
+def device_for(hardware: Hardware) -> torch.device:
+    """Where a one-rank bench runs: GPU 0 when there is one, else the CPU."""
+    return torch.device("cuda", 0) if hardware.gpus else torch.device("cpu")
+
+
+def check_request(options: Options, hardware: Hardware) -> None:
+    """RequestError, saying what to do, when this machine cannot run options.world_size ranks."""
+    validate_request(options.world_size, options.backend, gpus=hardware.gpus, cpu_count=hardware.cpus)
+    if options.out and Path(options.out).is_dir():
+        raise RequestError(f"option out {options.out!r} is a folder: give a file name such as result.json.")
 
 
 def build(options, ctx):
@@ -95,8 +83,8 @@ def run_benchmark(ctx, options) -> dict:
     split = benchmark.summarise(rows)
     peak = benchmark.peak_tflops(ctx.device, options.precision, options.peak_tflops)
     achieved = flops / split["step_s"]
-    config = {key: value for key, value in vars(options).items() if key not in ("out", "compare_loop", "rounds")}
-    config["out"] = str(options.out) if options.out else None
+    config = {key: value for key, value in dataclasses.asdict(options).items()
+              if key not in ("compare_loop", "rounds")}
     return {"config": config, "world_size": ctx.world_size, "ddp": ddp is not None,
             "communication_method": benchmark.COMMUNICATION_METHOD, "compiled": compiled, "compile_reason": reason,
             "images_per_s": options.batch_size * ctx.world_size / split["step_s"], "split": split, "steps": rows,
@@ -106,15 +94,17 @@ def run_benchmark(ctx, options) -> dict:
             **benchmark.peak_memory(ctx.device), "provenance": benchmark.provenance(ctx.device)}
 
 
-def run_in_process(flags: list[str] | str) -> dict:
-    """`python -m labsrc.bench <flags>` at world size 1, in this process (a notebook cell); the result as a dict."""
-    from labsrc.core.world import gpu_count
-    options = parser().parse_args(flags.split() if isinstance(flags, str) else [str(f) for f in flags])
+def run_in_process(flags: list[str] | str, hardware: Hardware | None = None) -> dict:
+    """`python -m labsrc.bench <flags>` at world size 1, in this process (a notebook cell); the result as a dict.
+
+    A bad flag value raises RequestError (a ValueError) saying what to do, instead of exiting.
+    """
+    argv = flags.split() if isinstance(flags, str) else [str(f) for f in flags]
+    options = Options.make(**vars(parser().parse_args(argv)))
     if options.world_size > 1 or options.ddp or options.compare_loop:
-        raise ValueError("in process the bench runs one rank without DDP: use main() for --world-size, --ddp "
-                         "and --compare-loop")
-    device = torch.device("cuda", 0) if gpu_count() else torch.device("cpu")
-    return run_benchmark(RankContext(0, 0, 1, device, "none"), options)
+        raise RequestError("in process the bench runs one rank without DDP: use main() for --world-size, --ddp "
+                           "and --compare-loop")
+    return run_benchmark(RankContext(0, 0, 1, device_for(hardware or detect()), "none"), options)
 
 
 def format_result(result: dict) -> str:
@@ -132,29 +122,39 @@ def format_result(result: dict) -> str:
             f"{result['peak_memory_kind']} {result['peak_memory_bytes'] / 2**20:.0f} MiB; {compiled}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    options = parser().parse_args(argv)
+def measure(options: Options, hardware: Hardware) -> dict:
+    """The bench's result: under torchrun above world size 1, in a world of one with ddp, else plainly here."""
+    if options.world_size > 1:  # DDP across processes: torchrun starts them
+        from labsrc.core import launch
+        forwarded = {k: v for k, v in options.changed().items() if k not in ("backend", "profile")}
+        outcome = launch.run("bench", nproc=options.world_size, timeout=1800, backend=options.backend,
+                             profile=options.profile, **forwarded)
+        return outcome.summary["result"]
+    if options.ddp:
+        with benchmark.world_of_one(device_for(hardware)) as ctx:
+            return run_benchmark(ctx, options)
+    return run_benchmark(RankContext(0, 0, 1, device_for(hardware), "none"), options)
+
+
+def main(argv: list[str] | None = None, hardware: Hardware | None = None) -> int:
+    """The command; a bad option exits with status 2 and what to do, before any work starts."""
+    options = Options.parse(argv)
+    hardware = hardware or detect()
+    try:
+        check_request(options, hardware)
+    except RequestError as exc:
+        parser().error(str(exc))
     if options.compare_loop:
         from labsrc.training.compare_loops import compare_loops
-        print(json.dumps(compare_loops(options, options.rounds), indent=2))
+        print(json.dumps(compare_loops(options, options.rounds, hardware), indent=2))
         return 0
-    if options.world_size > 1 or options.ddp:  # DDP needs a process group: torchrun sets one up
-        from labsrc import launch
-        forwarded = [a for a in (sys.argv[1:] if argv is None else argv)]
-        outcome = launch.run("bench", nproc=options.world_size, args=forwarded, timeout=1800)
-        result = outcome.summary["result"]
-    else:
-        from labsrc.core.world import setup, teardown
-        ctx = setup()
-        try:
-            result = run_benchmark(ctx, options)
-        finally:
-            teardown(ctx)
+    result = measure(options, hardware)
     print(format_result(result))
     if options.out:
-        options.out.parent.mkdir(parents=True, exist_ok=True)
-        options.out.write_text(json.dumps(result, indent=2))
-        print(f"written to {options.out}")
+        out = Path(options.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2))
+        print(f"written to {out}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""`python -m labsrc.doctor [--json]`: what this machine can run, and why not."""
+"""`python -m labsrc.doctor [--json] [--gpus N --cpus N]`: what this machine (or a simulated one) can run, and why not."""
 from __future__ import annotations
 
 import argparse
@@ -10,19 +10,21 @@ import sys
 import torch
 import torch.distributed as dist
 
-from labsrc.core.profiles import ProfileError, pick_profile
-from labsrc.core.world import gpu_count, max_cpu_ranks
+from labsrc.core.hardware import Hardware, detect, simulated
+from labsrc.core.plan import make_plan
+from labsrc.core.profiles import PROFILE_ENV, ProfileError, pick_profile
+from labsrc.core.world import max_cpu_ranks
 
-# (lab, what it needs): "any" runs everywhere on gloo; "2gpu" needs two GPUs for its real version.
-LAB_NEEDS = {
-    "00_setup": "any", "01_dp_vs_ddp": "any", "02_collectives": "any", "03_data_loading": "any",
-    "04_ddp_internals": "any", "05_mixed_precision": "any", "06_performance_scaling": "any",
-}
+LESSONS = ("00_setup", "01_dp_vs_ddp", "02_collectives", "03_data_loading", "04_ddp_internals",
+           "05_mixed_precision", "06_performance_scaling")
 
 
-def gpu_report() -> list[dict]:
+def gpu_report(hardware: Hardware, measured: bool) -> list[dict]:
+    """One entry per GPU: details CUDA reports when measured here, else the simulated name only."""
+    if not measured:
+        return [{"index": index, "name": hardware.gpu_name, "simulated": True} for index in range(hardware.gpus)]
     gpus = []
-    for index in range(gpu_count()):
+    for index in range(hardware.gpus):
         props = torch.cuda.get_device_properties(index)
         gpus.append({"index": index, "name": props.name, "memory_gib": round(props.total_memory / 2**30, 1),
                      "capability": f"{props.major}.{props.minor}",
@@ -30,81 +32,88 @@ def gpu_report() -> list[dict]:
     return gpus
 
 
-def backends_report() -> dict:
+def backends_report(hardware: Hardware, measured: bool) -> dict:
+    """Which process-group backends work; a simulated machine is assumed to have a CUDA build of torch."""
     available = dist.is_available()
+    nccl_built = available and (dist.is_nccl_available() or not measured)
     return {
         "distributed": available,
         "gloo": available and dist.is_gloo_available(),
-        "nccl": available and dist.is_nccl_available() and gpu_count() > 0,
-        "nccl_built": available and dist.is_nccl_available(),
+        "nccl": nccl_built and hardware.gpus > 0,
+        "nccl_built": nccl_built,
         "mpi": available and dist.is_mpi_available(),
     }
 
 
-def lab_scales(gpus: int, profile_name: str) -> dict:
-    """For each lab: the scale this machine runs it at, in words."""
-    scale = {}
-    for lab, needs in LAB_NEEDS.items():
-        if gpus >= 2:
-            scale[lab] = f"{profile_name} profile, NCCL on {gpus} GPUs"
-        elif gpus == 1:
-            scale[lab] = f"{profile_name} profile; multi-rank parts use gloo on the one GPU"
-        else:
-            scale[lab] = f"{profile_name} profile, gloo ranks on the CPU"
+def nccl_report(hardware: Hardware, backends: dict) -> dict:
+    if hardware.gpus >= 2 and backends["nccl"]:
+        return {"possible": True, "why": f"{hardware.gpus} GPUs: one NCCL rank per GPU, up to {hardware.gpus} ranks"}
+    if hardware.gpus == 1:
+        return {"possible": False, "why": "one GPU: NCCL refuses two ranks on one GPU; gloo ranks share it"}
+    return {"possible": False, "why": "no CUDA GPU visible" + ("" if backends["nccl_built"]
+                                                               else " and this torch has no NCCL")}
+
+
+def plan_report(hardware: Hardware, profile) -> dict:
+    """The plan every multi-rank lesson follows on this hardware (labsrc.core.plan.make_plan)."""
+    plan = make_plan(hardware, profile)
+    return {"world_size": plan.world_size, "backend": plan.backend, "device": plan.device,
+            "global_batch": plan.global_batch, "per_rank_batch": plan.per_rank_batch, "reason": plan.reason}
+
+
+def lab_scales(plan: dict | None, profile_name: str, gpus: int) -> dict:
+    """For each lesson: the scale this machine runs it at, in words."""
+    if plan is None:
+        return {lesson: "cannot plan without a profile" for lesson in LESSONS}
+    where = {"cuda": f"{gpus} GPU(s)" + (" shared" if plan["world_size"] > gpus else ""),
+             "cpu": "the CPU"}[plan["device"]]
+    scale = {lesson: f"{profile_name} profile, {plan['world_size']} {plan['backend']} ranks on {where}"
+             for lesson in LESSONS}
     if gpus < 2:
         scale["01_dp_vs_ddp"] += " (DataParallel timing needs 2+ GPUs: shown, not timed)"
     return scale
 
 
-def report() -> dict:
-    gpus = gpu_count()
-    cores = os.cpu_count() or 1
+def report(hardware: Hardware | None = None, environ: dict | None = None) -> dict:
+    """The doctor's findings for this machine, or for `hardware` given by hand (then LABSRC_PROFILE is ignored)."""
+    measured = hardware is None
+    hardware = detect() if measured else hardware
+    environ = (os.environ if measured else {}) if environ is None else environ
     try:
-        profile, reason = pick_profile(gpu_count=gpus, cpu_count=cores)
-        profile_name, profile_error = profile.name, None
+        profile, reason = pick_profile(environ, hardware=hardware)
+        profile_name, profile_error, plan = profile.name, None, plan_report(hardware, profile)
     except ProfileError as exc:
-        profile_name, reason, profile_error = None, str(exc), str(exc)
-    backends = backends_report()
-    if gpus >= 2 and backends["nccl"]:
-        nccl = {"possible": True, "why": f"{gpus} GPUs: one NCCL rank per GPU, up to {gpus} ranks"}
-    elif gpus == 1:
-        nccl = {"possible": False, "why": "one GPU: NCCL refuses two ranks on one GPU; use gloo"}
-    else:
-        nccl = {"possible": False, "why": "no CUDA GPU visible" + (
-            "" if backends["nccl_built"] else " and this torch has no NCCL")}
+        profile_name, reason, profile_error, plan = None, str(exc), str(exc), None
+    backends = backends_report(hardware, measured)
     import torchvision
     return {
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "torchvision": torchvision.__version__,
-        "cuda_build": torch.version.cuda,
-        "cpu_cores": cores,
-        "max_cpu_ranks": max_cpu_ranks(cores),
-        "gpus": gpu_report(),
-        "backends": backends,
-        "profile": profile_name,
-        "profile_reason": reason,
-        "profile_error": profile_error,
-        "multi_rank_nccl": nccl,
-        "labs": lab_scales(gpus, profile_name or "?"),
+        "simulated": not measured, "python": platform.python_version(), "platform": platform.platform(),
+        "torch": torch.__version__, "torchvision": torchvision.__version__, "cuda_build": torch.version.cuda,
+        "cpu_cores": hardware.cpus, "max_cpu_ranks": max_cpu_ranks(hardware.cpus),
+        "gpus": gpu_report(hardware, measured), "backends": backends,
+        "profile": profile_name, "profile_reason": reason, "profile_error": profile_error, "plan": plan,
+        "multi_rank_nccl": nccl_report(hardware, backends),
+        "labs": lab_scales(plan, profile_name or "?", hardware.gpus),
     }
 
 
 def format_report(data: dict) -> str:
-    lines = [
-        f"torch {data['torch']} (CUDA build {data['cuda_build']}), torchvision {data['torchvision']}, "
-        f"Python {data['python']}",
-        f"CPU cores: {data['cpu_cores']} (at most {data['max_cpu_ranks']} CPU ranks)",
-    ]
+    lines = [("SIMULATED machine (no measurement): " if data["simulated"] else "")
+             + f"torch {data['torch']} (CUDA build {data['cuda_build']}), torchvision {data['torchvision']}, "
+             f"Python {data['python']}",
+             f"CPU cores: {data['cpu_cores']} (at most {data['max_cpu_ranks']} CPU ranks)"]
     if data["gpus"]:
-        lines += [f"GPU {g['index']}: {g['name']}, {g['memory_gib']} GiB, sm_{g['capability']}"
+        lines += [f"GPU {g['index']}: {g['name']}" + ("" if g.get("simulated") else
+                                                     f", {g['memory_gib']} GiB, sm_{g['capability']}")
                   for g in data["gpus"]]
     else:
         lines.append("GPUs: none visible (CUDA unavailable)")
     lines.append("backends: " + ", ".join(k for k in ("gloo", "nccl", "mpi") if data["backends"][k]))
     if data["profile"]:
         lines.append(f"profile: {data['profile']} ({data['profile_reason']})")
+        plan = data["plan"]
+        lines.append(f"plan: {plan['world_size']} {plan['backend']} ranks on {plan['device']}, global batch "
+                     f"{plan['global_batch']} ({plan['reason']})")
     else:
         lines.append(f"profile: ERROR {data['profile_error']}")
     verdict = "yes" if data["multi_rank_nccl"]["possible"] else "no"
@@ -114,11 +123,32 @@ def format_report(data: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> tuple[argparse.Namespace, Hardware | None]:
+    """The options and the simulated hardware they ask for (None: this machine); bad values exit with status 2."""
     parser = argparse.ArgumentParser(prog="python -m labsrc.doctor", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help=f"report for a simulated machine with this many GPUs ({PROFILE_ENV} is then ignored)")
+    parser.add_argument("--cpus", type=int, default=None, help="CPU cores of the simulated machine (default 16)")
+    parser.add_argument("--gpu-name", default=None, help="GPU name of the simulated machine")
     options = parser.parse_args(argv)
-    data = report()
+    if options.gpus is None:
+        if options.cpus is not None or options.gpu_name is not None:
+            parser.error("--cpus and --gpu-name describe a simulated machine: add --gpus N (0 for none).")
+        return options, None
+    if options.gpus < 0:
+        parser.error(f"--gpus must be 0 or more (got {options.gpus}).")
+    if options.cpus is not None and options.cpus < 1:
+        parser.error(f"--cpus must be 1 or more (got {options.cpus}).")
+    if options.gpu_name is not None and (options.gpus == 0 or not options.gpu_name.strip()):
+        parser.error("--gpu-name needs --gpus 1 or more and a non-empty name.")
+    extra = {"gpu_name": options.gpu_name} if options.gpu_name else {}
+    return options, simulated(options.gpus, cpus=options.cpus or 16, **extra)
+
+
+def main(argv: list[str] | None = None, hardware: Hardware | None = None) -> int:
+    options, asked = parse(argv)
+    data = report(hardware or asked)
     print(json.dumps(data, indent=2) if options.json else format_report(data))
     return 0 if data["profile"] else 2
 

@@ -1,14 +1,14 @@
 """Scaling arithmetic: strong and weak scaling, learning-rate scaling with warm-up, step time predicted for N GPUs."""
 from __future__ import annotations
 
+import contextlib
 import statistics
-import time
 
 import torch
-from torch.nn import functional as F
 
 from labsrc.alpha_beta import AlphaBeta, ring_allreduce_time_s
-from labsrc.training.timing import synchronize
+from labsrc.training.loop import step
+from labsrc.training.timing import timed
 
 # Link models for extrapolation. These are model inputs, not measurements:
 # - NVLink 4 on H100 SXM: 900 GB/s total per GPU, i.e. 450 GB/s each way (NVIDIA H100 datasheet).
@@ -112,24 +112,17 @@ def paired_step_times(model, batches, optimizer, device, steps: int, no_sync, wa
 def step_times(model, batches, optimizer, device, steps: int, warmup: int = 2, no_sync=None) -> float:
     """Seconds of the fastest full training step; with no_sync (a DDP model's) the step skips communication.
 
+    The step is the course's one (`training.loop.step`), timed by the one timer (`training.timing.timed`).
     The fastest step is the one other work on the machine disturbed least: what the step costs. (A median
     still moves by tens of percent when other processes share the cores.)
     """
-    import contextlib
     seconds = []
-    for step in range(warmup + steps):
+    for index in range(warmup + steps):
         images, labels = next(batches)
-        context = no_sync() if no_sync is not None else contextlib.nullcontext()
-        synchronize(device)
-        start = time.perf_counter()
-        with context:
-            loss = F.cross_entropy(model(images), labels)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-        optimizer.step()
-        synchronize(device)
-        if step >= warmup:
-            seconds.append(time.perf_counter() - start)
+        with timed(device) as elapsed, (no_sync() if no_sync is not None else contextlib.nullcontext()):
+            step(model, optimizer, images, labels)
+        if index >= warmup:
+            seconds.append(elapsed["s"])
     return min(seconds)
 
 
@@ -139,6 +132,19 @@ def rank_mean(records: list[dict], per_rank_batch: int) -> dict:
     if not mine:
         raise ValueError(f"no scaling record at per-rank batch {per_rank_batch}")
     return {key: statistics.fmean(r[key] for r in mine) for key in ("step_s", "local_step_s", "gradient_bytes")}
+
+
+def predict_ddp_step(calibration: dict, target: dict) -> dict:
+    """The DDP step at a larger per-rank batch, predicted as compute + a communication cost that does not grow.
+
+    calibration, target: rank_mean() results at two per-rank batches. What DDP adds is measured at the
+    calibration batch (DDP step - the same step under no_sync); the prediction is the target's no_sync step
+    plus that addition. relative_error = predicted / measured - 1.
+    """
+    added = calibration["step_s"] - calibration["local_step_s"]
+    predicted = target["local_step_s"] + added
+    return {"added_s": added, "predicted_s": predicted, "measured_s": target["step_s"],
+            "relative_error": predicted / target["step_s"] - 1}
 
 
 def gradient_bytes(model: torch.nn.Module) -> int:

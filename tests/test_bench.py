@@ -115,3 +115,53 @@ def test_timed_steps_bring_images_to_the_memory_format():
                                    "fp32", steps=2, warmup=1, memory_format=torch.channels_last)
     assert seen == [True, True, True] and len(rows) == 2
     assert set(rows[0]) == {"data_s", "forward_s", "backward_s", "optimizer_s"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--batch-size", "0"], "batch_size must be more than 0"), (["--world-size", "0"], "world_size must be more than 0"),
+    (["--steps", "0"], "steps must be more than 0"), (["--warmup", "-1"], "warmup must be 0 or more"),
+    (["--rounds", "0"], "rounds must be more than 0"), (["--peak-tflops", "0"], "peak_tflops must be more than 0"),
+    (["--num-workers", "-2"], "num_workers must be 0 or more"), (["--num-workers", "2"], "add --data loader"),
+    (["--image-size", "2"], "image_size must be at least 4"), (["--model", "vgg"], "model 'vgg' is unknown"),
+    (["--precision", "fp8"], "precision 'fp8' is unknown"), (["--data", "disk"], "data 'disk' is unknown"),
+    (["--backend", "mpi"], "backend 'mpi' is unknown"), (["--batch-size", "many"], "invalid int value"),
+    (["--compare-loop", "--world-size", "2"], "drop world_size and ddp"),
+    (["--world-size", "64"], "CPU ranks"), (["--backend", "nccl", "--world-size", "2"], "NCCL needs CUDA GPUs"),
+])
+def test_bad_options_exit_2_before_any_work(argv, message, capsys):
+    from labsrc.core.hardware import simulated
+    with pytest.raises(SystemExit) as exit_code:
+        bench.main(argv, hardware=simulated(gpus=0, cpus=2))
+    assert exit_code.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_out_that_is_a_folder_is_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_code:
+        bench.main([*SMALL, "--out", str(tmp_path)])
+    assert exit_code.value.code == 2 and "is a folder" in capsys.readouterr().err
+
+
+def test_command_line_bad_value_exits_2_without_traceback():
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-m", "labsrc.bench", "--batch-size", "0"], capture_output=True, text=True)
+    assert done.returncode == 2 and "batch_size must be more than 0" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_device_and_rank_limit_follow_the_given_hardware():
+    from labsrc.core.hardware import simulated
+    from labsrc.labs.bench import Options
+    assert bench.device_for(simulated(gpus=2)) == torch.device("cuda", 0)
+    assert bench.device_for(simulated(gpus=0)) == torch.device("cpu")
+    bench.check_request(Options.make(world_size=8), simulated(gpus=8))  # one NCCL rank per GPU: fine
+    with pytest.raises(ValueError, match="CPU ranks"):
+        bench.check_request(Options.make(world_size=8), simulated(gpus=0, cpus=2))
+
+
+def test_ddp_at_world_size_one_runs_in_a_world_of_one():
+    import torch.distributed as dist
+    result = bench.measure(bench.Options.make(image_size=8, batch_size=8, steps=2, warmup=1, ddp=True),
+                           bench.detect())
+    assert result["ddp"] and result["world_size"] == 1 and not dist.is_initialized()
+    assert all("local_backward_s" in row for row in result["steps"])

@@ -91,14 +91,34 @@ def test_lab_measures_ddp_and_local_steps_on_two_ranks():
 def test_figures_draw_every_series():
     import matplotlib
     matplotlib.use("Agg")
-    from labsrc.plots import performance_scaling
-    strong, weak = performance_scaling.strong_scaling({1: 1.0, 2: 0.6}), performance_scaling.weak_scaling({1: 1.0, 2: 1.1})
-    speedup, efficiency = performance_scaling.scaling_curves(strong, weak)
+    from labsrc.plots import performance_scaling as plots
+    strong = performance_scaling.strong_scaling({1: 1.0, 2: 0.6})
+    weak = performance_scaling.weak_scaling({1: 1.0, 2: 1.1})
+    speedup, efficiency = plots.scaling_curves(strong, weak)
     assert [line.get_ydata()[-1] for line in speedup.get_lines()] == [2, strong[2]["speedup"], weak[2]["speedup"]]
     last_points = [line.get_ydata()[-1] for line in efficiency.get_lines()]
     assert last_points == [1.0, strong[2]["efficiency"], weak[2]["efficiency"]]
-    predictions = {"a": performance_scaling.extrapolate(0.01, 4e7, [1, 8, 16]), "b": performance_scaling.extrapolate(0.02, 4e7, [1, 8, 16])}
+    predictions = {"a": performance_scaling.extrapolate(0.01, 4e7, [1, 8, 16]),
+                   "b": performance_scaling.extrapolate(0.02, 4e7, [1, 8, 16])}
     points = [{"gpus": 1, "efficiency": 1.0}, {"gpus": 8, "efficiency": 0.9}]
     reference = {"provenance": {"device_name": "GPU"}, "scaling": points}
-    ax = performance_scaling.extrapolation(predictions, [reference])
+    ax = plots.extrapolation(predictions, [reference])
     assert len(ax.get_lines()) == 2 * 2 + 1 and list(ax.get_lines()[-1].get_ydata()) == [1.0, 0.9]
+
+
+def test_prediction_adds_the_communication_measured_at_the_small_batch():
+    small = {"step_s": 0.010, "local_step_s": 0.007, "gradient_bytes": 100}
+    large = {"step_s": 0.020, "local_step_s": 0.016, "gradient_bytes": 100}
+    prediction = performance_scaling.predict_ddp_step(small, large)
+    assert prediction["added_s"] == pytest.approx(0.003) and prediction["predicted_s"] == pytest.approx(0.019)
+    assert prediction["relative_error"] == pytest.approx(-0.05)
+
+
+def test_options_refuse_bad_values_before_launch():
+    from labsrc.core.world import RequestError
+    from labsrc.labs.performance_scaling import Options
+    assert Options.make(batches="4 32", steps=3).to_argv() == ["--batches", "4", "32", "--steps", "3"]
+    for bad, message in (({"batches": ()}, "at least one"), ({"batches": (8, 0)}, "batches must be more than 0"),
+                         ({"steps": 0}, "steps must be more than 0")):
+        with pytest.raises(RequestError, match=message):
+            Options.make(**bad)

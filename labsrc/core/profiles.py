@@ -72,8 +72,11 @@ class ProfileError(ValueError):
 
 
 def pick_profile(environ: dict | None = None, gpu_count: int | None = None,
-                 cpu_count: int | None = None) -> tuple[Profile, str]:
-    """The profile for this machine and the reason: LABSRC_PROFILE wins, else the hardware decides."""
+                 cpu_count: int | None = None, hardware=None) -> tuple[Profile, str]:
+    """The profile and the reason: LABSRC_PROFILE wins, else the hardware decides.
+
+    hardware (a labsrc.core.hardware.Hardware) or the counts describe the machine; unset: this one.
+    """
     environ = os.environ if environ is None else environ
     requested = environ.get(PROFILE_ENV, "").strip()
     if requested:
@@ -83,10 +86,11 @@ def pick_profile(environ: dict | None = None, gpu_count: int | None = None,
                 f"or unset {PROFILE_ENV} to pick from the hardware."
             )
         return PROFILES[requested], f"{PROFILE_ENV}={requested} was set"
-    if gpu_count is None:
-        from labsrc.core.world import gpu_count as count_gpus
-        gpu_count = count_gpus()
-    cpu_count = cpu_count if cpu_count is not None else (os.cpu_count() or 1)
+    if hardware is None and (gpu_count is None or cpu_count is None):
+        from labsrc.core.hardware import detect
+        hardware = detect()
+    gpu_count = hardware.gpus if gpu_count is None else gpu_count
+    cpu_count = hardware.cpus if cpu_count is None else cpu_count
     if gpu_count > 0:
         return PROFILES["gpu"], f"{gpu_count} CUDA GPU(s) found"
     if cpu_count <= 2:

@@ -1,18 +1,63 @@
 """Scaling on n ranks: DDP step time and the same step without communication, per batch size, and an all-reduce fit.
 
+    launch.run("performance_scaling", nproc=2, batches=(32, 64), steps=5)
     torchrun --nproc-per-node 2 -m labsrc.labs.performance_scaling --profile ci --batches 32 64
 """
 from __future__ import annotations
 
 import gc
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labsrc import alpha_beta, collectives, performance_scaling
+from labsrc.core.lab import resolve_profile, run_lab
+from labsrc.core.options import LabOptions, positive
+from labsrc.core.runs import Record
+from labsrc.core.world import RankContext, RequestError
 from labsrc.training import data
-from labsrc.core.lab import base_parser, resolve_profile, run_lab
 from labsrc.training.models import build_model
+
+
+@dataclass
+class Options(LabOptions):
+    """Step times with and without DDP's all-reduce at each per-rank batch, then an all-reduce sweep."""
+
+    batches: tuple[int, ...] = (8, 16)
+    """Per-rank batch sizes to time (each rank trains on this many images per step)."""
+    steps: int = 5
+    """Timed steps per measurement, after two untimed ones; the fastest counts."""
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.batches:
+            raise RequestError("batches needs at least one per-rank batch size, e.g. batches=(8, 16).")
+        for batch in self.batches:
+            positive("batches", batch)
+        positive("steps", self.steps)
+
+
+@dataclass
+class Scaling(Record):
+    """One rank's fastest DDP step and fastest step under no_sync (no all-reduce) at one per-rank batch."""
+
+    KIND: ClassVar[str] = "scaling"
+    world_size: int
+    per_rank_batch: int
+    step_s: float
+    local_step_s: float
+    gradient_bytes: int
+
+
+@dataclass
+class AllReduceTime(Record):
+    """Seconds per dist.all_reduce of this many bytes (fastest timed loop of the profile's repeats, slowest rank)."""
+
+    KIND: ClassVar[str] = "allreduce"
+    bytes: int
+    seconds: float
 
 
 def measure(ctx, profile, per_rank_batch: int, steps: int, seed: int = 0, ddp: bool = True) -> dict:
@@ -22,49 +67,37 @@ def measure(ctx, profile, per_rank_batch: int, steps: int, seed: int = 0, ddp: b
     wrapped = DDP(model) if ddp else model
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=profile.lr, momentum=0.9)
     dataset = data.synthetic_images(max(profile.num_samples, 4 * per_rank_batch), profile.image_size, seed=seed)
-    batches = iter(data.DeviceBatches(dataset, per_rank_batch, ctx.__class__(0, 0, 1, ctx.device, ""), seed=seed))
+    own_data = RankContext(0, 0, 1, ctx.device, "")  # every rank draws from its whole copy: no sharding
+    batches = iter(data.DeviceBatches(dataset, per_rank_batch, own_data, seed=seed))
     if ddp:
-        step_s, local_s = performance_scaling.paired_step_times(wrapped, batches, optimizer, ctx.device, steps, wrapped.no_sync)
+        step_s, local_s = performance_scaling.paired_step_times(wrapped, batches, optimizer, ctx.device, steps,
+                                                                wrapped.no_sync)
     else:
         step_s = local_s = performance_scaling.step_times(wrapped, batches, optimizer, ctx.device, steps)
     return {"per_rank_batch": per_rank_batch, "step_s": step_s, "local_step_s": local_s,
             "gradient_bytes": performance_scaling.gradient_bytes(model)}
 
 
-def scaling_lab(ctx, records, args) -> dict:
-    profile = resolve_profile(args)
-    for index, batch in enumerate(args.batches):
-        records.write("scaling", world_size=ctx.world_size, **measure(ctx, profile, batch, args.steps, args.seed))
-        records.progress(index + 1, len(args.batches) + 1)
+def scaling_lab(ctx, records, options: Options) -> dict:
+    profile = resolve_profile(options)
+    total = len(options.batches) + 1
+    for index, batch in enumerate(options.batches):
+        records.write(Scaling(world_size=ctx.world_size, **measure(ctx, profile, batch, options.steps, options.seed)))
+        records.progress(index + 1, total)
     points = []
     for size in profile.sweep_sizes:
-        points.append((4 * size, collectives.time_algorithm(collectives.torch_all_reduce, size, ctx, profile.repeats)))
-        records.write("allreduce", bytes=points[-1][0], seconds=points[-1][1])
+        seconds = collectives.time_algorithm(collectives.torch_all_reduce, size, ctx, profile.repeats)
+        points.append((4 * size, seconds))
+        records.write(AllReduceTime(bytes=4 * size, seconds=seconds))
     fit = alpha_beta.fit(*zip(*points))
-    records.progress(len(args.batches) + 1, len(args.batches) + 1)
+    records.progress(total, total)
     gc.collect()  # DDP's reducers (held in reference cycles) go now, while the process group they use still exists
     return {"profile": profile.name, "model": profile.model,
             "fit": {"alpha_s": fit.alpha_s, "beta_s_per_byte": fit.beta_s_per_byte, "r2": fit.r2}}
 
 
-def launch_scaling(nproc: int, batches: tuple | str, steps: int = 5, profile: str | None = None,
-                   timeout: float = 600.0):
-    """Run this lab from a notebook (the default cell and the controls both call this).
-
-    batches: per-rank batch sizes, as a tuple or as text ("32 64").
-    """
-    from labsrc import launch
-    if isinstance(batches, str):
-        batches = tuple(int(b) for b in batches.split())
-    args = ["--batches", *batches, "--steps", steps] + (["--profile", profile] if profile else [])
-    return launch.run("performance_scaling", nproc=nproc, args=args, timeout=timeout)
-
-
 def main(argv=None):
-    parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", required=True, help="per-rank batch sizes to time")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per measurement")
-    return run_lab("performance_scaling", scaling_lab, parser.parse_args(argv))
+    return run_lab("performance_scaling", scaling_lab, Options, argv)
 
 
 if __name__ == "__main__":

@@ -2,18 +2,24 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
+import gc
 import os
 import platform
 import resource
+import shutil
 import statistics
+import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
-from labsrc.training.timing import synchronize
+from labsrc.core.world import RankContext
 from labsrc.training.loop import autocast, set_tf32
+from labsrc.training.timing import timed
 
 # Dense peak FLOP/s (no sparsity: the datasheets' tensor-core figures "with sparsity" halved) per device and
 # math mode. Sources: "NVIDIA H100 Tensor Core GPU" datasheet (H100 SXM5, H100 PCIe, H100 NVL), "NVIDIA H200
@@ -98,47 +104,78 @@ def timed_steps(model, batches, optimizer, device, precision: str, steps: int, w
     batches yield (images (N, 3, H, W), labels (N,)); images are brought to `memory_format` in the data phase
     (a DataLoader's collate stacks them back into NCHW even when the dataset holds channels_last tensors).
 
-    The device is synchronised between phases so each phase's time is its own; communication under DDP is
-    estimated as backward - backward without synchronisation (a separate pass every step).
+    Each phase is its own `timed(device)` block (the device is synchronised at both ends), so each phase's
+    time is its own; communication under DDP is estimated as backward - backward without synchronisation
+    (a separate pass every step). TF32 is set for the run and restored after it.
     """
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+    previous_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
     set_tf32(precision == "tf32")
     rows = []
-    for step in range(warmup + steps):
-        marks = [time.perf_counter()]
+    try:
+        for step in range(warmup + steps):
+            row = _timed_phases(model, batches, optimizer, device, precision, scaler, memory_format)
+            if ddp is not None:
+                row["local_backward_s"] = _local_backward_s(model, ddp, row.pop("batch"), device, precision, scaler)
+                optimizer.zero_grad(set_to_none=True)
+            row.pop("batch", None)
+            if step >= warmup:
+                rows.append(row)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous_tf32
+    return rows
+
+
+def _timed_phases(model, batches, optimizer, device, precision, scaler, memory_format) -> dict:
+    """One step, each phase timed on its own: {data_s, forward_s, backward_s, optimizer_s, batch}."""
+    with timed(device) as data_time:
         images, labels = next(batches)
         images = images.to(device, non_blocking=True, memory_format=memory_format)
         labels = labels.to(device, non_blocking=True)
-        for phase in ("forward", "backward", "optimizer"):
-            synchronize(device)
-            marks.append(time.perf_counter())
-            if phase == "forward":
-                with autocast(device, precision):
-                    loss = F.cross_entropy(model(images), labels)
-            elif phase == "backward":
-                optimizer.zero_grad(set_to_none=True)
-                scaler.scale(loss).backward()
-            else:
-                scaler.step(optimizer)
-                scaler.update()
-        synchronize(device)
-        marks.append(time.perf_counter())
-        row = dict(zip(("data_s", "forward_s", "backward_s", "optimizer_s"),
-                       [b - a for a, b in zip(marks, marks[1:])]))
-        if ddp is not None:
-            with ddp.no_sync():
-                with autocast(device, precision):
-                    local_loss = F.cross_entropy(model(images), labels)
-                synchronize(device)
-                start = time.perf_counter()
-                scaler.scale(local_loss).backward()
-                synchronize(device)
-                row["local_backward_s"] = time.perf_counter() - start
-            optimizer.zero_grad(set_to_none=True)
-        if step >= warmup:
-            rows.append(row)
-    set_tf32(False)
-    return rows
+    with timed(device) as forward_time:
+        with autocast(device, precision):
+            loss = F.cross_entropy(model(images), labels)
+    with timed(device) as backward_time:
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()
+    with timed(device) as optimizer_time:
+        scaler.step(optimizer)
+        scaler.update()
+    return {"data_s": data_time["s"], "forward_s": forward_time["s"], "backward_s": backward_time["s"],
+            "optimizer_s": optimizer_time["s"], "batch": (images, labels)}
+
+
+def _local_backward_s(model, ddp, batch, device, precision, scaler) -> float:
+    """Seconds of the same backward under DDP's no_sync(): the backward without its all-reduce."""
+    images, labels = batch
+    with ddp.no_sync():
+        with autocast(device, precision):
+            local_loss = F.cross_entropy(model(images), labels)
+        with timed(device) as backward_time:
+            scaler.scale(local_loss).backward()
+    return backward_time["s"]
+
+
+@contextlib.contextmanager
+def world_of_one(device: torch.device | None = None, timeout_s: float = 60.0):
+    """`with world_of_one(device) as ctx:` a 1-rank process group (nccl on a GPU, else gloo), destroyed after.
+
+    DDP needs a process group even for one rank; this one rendezvouses on a fresh file store (no port),
+    and objects still holding it (DDP's reducer) are collected before it is destroyed.
+    """
+    if dist.is_initialized():
+        raise RuntimeError("a process group already exists in this process: use it instead of a world of one")
+    device = device or torch.device("cpu")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    folder = tempfile.mkdtemp(prefix="labsrc-world-of-one-")
+    dist.init_process_group(backend, init_method=f"file://{os.path.join(folder, 'store')}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=timeout_s))
+    try:
+        yield RankContext(0, 0, 1, device, backend)
+    finally:
+        gc.collect()
+        dist.destroy_process_group()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def summarise(rows: list[dict]) -> dict:

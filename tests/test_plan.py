@@ -1,0 +1,82 @@
+"""GPU decisions checked without a GPU: plans, profiles and the doctor's report for simulated machines."""
+import pytest
+
+from labsrc import doctor
+from labsrc.core import profiles
+from labsrc.core.hardware import Hardware, simulated
+from labsrc.core.plan import make_plan
+
+GPU = profiles.PROFILES["gpu"]
+
+
+@pytest.mark.parametrize("gpus, ranks, backend", [(1, 2, "gloo"), (2, 2, "nccl"), (3, 3, "nccl"), (4, 4, "nccl"),
+                                                  (8, 8, "nccl")])
+def test_gpu_profile_plans(gpus, ranks, backend):
+    plan = make_plan(simulated(gpus=gpus), GPU)
+    assert (plan.world_size, plan.backend, plan.device) == (ranks, backend, "cuda"), plan.reason
+    assert plan.global_batch % plan.world_size == 0 and plan.per_rank_batch * plan.world_size == plan.global_batch
+    assert GPU.global_batch - plan.world_size < plan.global_batch <= GPU.global_batch
+
+
+def test_one_gpu_is_shared_by_two_gloo_ranks():
+    plan = make_plan(simulated(gpus=1), GPU)
+    assert plan.ranks_share_gpus and "share 1 GPU" in plan.reason
+
+
+def test_three_gpus_round_the_global_batch_and_say_so():
+    plan = make_plan(simulated(gpus=3), GPU)
+    assert plan.global_batch == 510 and "rounded to 510" in plan.reason
+
+
+@pytest.mark.parametrize("cpus, profile, ranks", [(2, "ci", 2), (16, "cpu", 4)])
+def test_cpu_only_plans(cpus, profile, ranks):
+    hardware = simulated(gpus=0, cpus=cpus)
+    picked, _ = profiles.pick_profile({}, hardware=hardware)
+    plan = make_plan(hardware, picked)
+    assert (picked.name, plan.world_size, plan.backend, plan.device) == (profile, ranks, "gloo", "cpu")
+    assert not plan.ranks_share_gpus and plan.global_batch % plan.world_size == 0
+
+
+@pytest.mark.parametrize("gpus, cpus, expected", [(0, 2, "ci"), (0, 16, "cpu"), (1, 2, "gpu"), (8, 64, "gpu")])
+def test_profile_follows_the_given_hardware(gpus, cpus, expected):
+    assert profiles.pick_profile({}, hardware=simulated(gpus=gpus, cpus=cpus))[0].name == expected
+
+
+def test_hardware_refuses_impossible_counts():
+    with pytest.raises(ValueError, match="gpus >= 0"):
+        Hardware(gpus=-1, gpu_name=None, cpus=4)
+    with pytest.raises(ValueError, match="cpus >= 1"):
+        Hardware(gpus=0, gpu_name=None, cpus=0)
+
+
+@pytest.mark.parametrize("gpus", [0, 1, 2, 3, 4, 8])
+def test_doctor_reports_each_simulated_machine(gpus):
+    hardware = simulated(gpus=gpus, cpus=16)
+    report = doctor.report(hardware)
+    plan = make_plan(hardware, profiles.pick_profile({}, hardware=hardware)[0])
+    assert report["simulated"] and report["cpu_cores"] == 16 and len(report["gpus"]) == gpus
+    assert report["profile"] == ("gpu" if gpus else "cpu")
+    assert (report["plan"]["world_size"], report["plan"]["backend"]) == (plan.world_size, plan.backend)
+    assert report["backends"]["nccl"] == (gpus > 0)
+    assert report["multi_rank_nccl"]["possible"] == (gpus >= 2)
+    text = doctor.format_report(report)
+    assert text.startswith("SIMULATED") and f"plan: {plan.world_size} {plan.backend} ranks" in text
+    if gpus == 1:
+        assert "NCCL refuses two ranks on one GPU" in text and "1 GPU(s) shared" in text
+
+
+def test_doctor_simulates_from_the_command_line(capsys):
+    assert doctor.main(["--json", "--gpus", "4", "--cpus", "32"]) == 0
+    report = __import__("json").loads(capsys.readouterr().out)
+    assert report["simulated"] and report["plan"]["world_size"] == 4 and report["plan"]["backend"] == "nccl"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpus", "-1"], "--gpus must be 0 or more"), (["--gpus", "2", "--cpus", "0"], "--cpus must be 1 or more"),
+    (["--cpus", "8"], "add --gpus N"), (["--gpus", "0", "--gpu-name", "H100"], "--gpu-name needs --gpus 1"),
+    (["--gpus", "two"], "invalid int value"), (["--verbose"], "unrecognized arguments"),
+])
+def test_doctor_bad_options_exit_2_with_advice(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_code:
+        doctor.main(argv)
+    assert exit_code.value.code == 2 and message in capsys.readouterr().err
