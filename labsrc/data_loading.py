@@ -7,7 +7,11 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from labsrc.training.loop import step
+from labsrc.training.timing import timed
 
 
 class IndexDataset(Dataset):
@@ -66,13 +70,12 @@ def expected_coverage(dataset_size: int, world_size: int, drop_last: bool) -> tu
 
 
 def _uneven_steps(model, optimizer, batches: int, generator: torch.Generator, device: torch.device) -> int:
-    """Run `batches` DDP steps on random (8, 4) inputs; returns the steps completed."""
+    """Run `batches` DDP steps on random (8, 4) inputs, loss mean(output^2); returns the steps completed."""
     steps = 0
     for _ in range(batches):
         inputs = torch.randn(8, 4, generator=generator).to(device)
-        optimizer.zero_grad()
-        model(inputs).pow(2).mean().backward()  # backward all-reduces the gradients across ranks
-        optimizer.step()
+        # mse against zeros is mean(output^2); backward all-reduces the gradients across ranks
+        step(model, optimizer, inputs, torch.zeros(8, 1, device=device), loss_fn=F.mse_loss)
         steps += 1
     return steps
 
@@ -93,7 +96,7 @@ def train_uneven_with_join(ctx, batches_per_rank: list[int], seed: int = 0) -> d
     with Join([model]):
         steps = _uneven_steps(model, optimizer, batches_per_rank[ctx.rank],
                               torch.Generator().manual_seed(seed + ctx.rank), ctx.device)
-    return {"rank": ctx.rank, "steps": steps, "weight": model.module.weight.detach().cpu().clone()}
+    return {"steps": steps, "weight": model.module.weight.detach().cpu().clone()}
 
 
 def uneven_reference(batches_per_rank: list[int], seed: int = 0, lr: float = 0.1,
@@ -136,19 +139,18 @@ def train_uneven_without_join(ctx, batches_per_rank: list[int], timeout_s: float
     model = DDP(torch.nn.Linear(4, 1), process_group=group)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(seed + ctx.rank)
-    steps, error, waited_s = 0, None, 0.0
+    steps, error, error_type, waited_s = 0, None, None, 0.0
     for _ in range(batches_per_rank[ctx.rank]):
         start = time.perf_counter()
         try:
             steps += _uneven_steps(model, optimizer, 1, generator, torch.device("cpu"))
         except RuntimeError as exc:  # gloo's timeout (DistBackendError is a RuntimeError)
             waited_s = time.perf_counter() - start
-            message = str(exc).strip().splitlines()[0].split("] ", 1)[-1]  # drop gloo's source path
-            error = f"{type(exc).__name__}: {message}"
+            error_type, error = type(exc).__name__, str(exc).strip().splitlines()[0]
             break
     dist.barrier()  # the rank that finished first waits here until the stuck one gave up
     dist.destroy_process_group(group)
-    return {"rank": ctx.rank, "steps": steps, "planned": batches_per_rank[ctx.rank], "error": error,
+    return {"steps": steps, "planned": batches_per_rank[ctx.rank], "error_type": error_type, "error": error,
             "waited_s": waited_s, "timeout_s": timeout_s}
 
 
@@ -175,7 +177,8 @@ def time_batches(batches, steps: int, device, compute=None) -> dict:
 
     batches: an iterable of (images (B, C, H, W), labels (B,)) with at least steps + 1 batches.
     compute(images, labels) is the training step (None: data only). The first batch and its step are a
-    warm-up, not timed: it pays for starting workers and for the first forward and backward.
+    warm-up, not timed: it pays for starting workers and for the first forward and backward. Both phases
+    are timed with the course's one timer, which waits for queued GPU work.
     """
     iterator = iter(batches)
     images, labels = next(iterator)
@@ -183,16 +186,36 @@ def time_batches(batches, steps: int, device, compute=None) -> dict:
         compute(images.to(device), labels.to(device))
     data_s, compute_s = [], []
     for _ in range(steps):
-        start = time.perf_counter()
-        images, labels = next(iterator)
-        images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
-        data_s.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        if compute is not None:
-            compute(images, labels)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        compute_s.append(time.perf_counter() - start)
+        with timed(device) as waited:
+            images, labels = next(iterator)
+            images, labels = images.to(device, non_blocking=True), labels.to(device, non_blocking=True)
+        with timed(device) as computed:
+            if compute is not None:
+                compute(images, labels)
+        data_s.append(waited["s"])
+        compute_s.append(computed["s"])
     # Medians: one step stalled by another process on a busy machine does not move them.
     return {"steps": steps, "data_s": statistics.median(data_s), "compute_s": statistics.median(compute_s),
             "data_steps_s": data_s, "compute_steps_s": compute_s}
+
+
+def transform_floor_s(batch: int, cost_s: float, num_workers: int) -> float:
+    """The least a step can wait for its batch: batch x cost of the transform, shared by the workers.
+
+    With no workers the rank itself decodes every sample (divisor 1); n workers decode n batches at once.
+    """
+    return batch * cost_s / max(1, num_workers)
+
+
+def data_bound(data_s: float, compute_s: float) -> bool:
+    """True when a step waits longer for its batch than it computes on it: a faster model would not help."""
+    return data_s > compute_s
+
+
+def find_arm(rows: list, source: str, num_workers: int = 0, pin_memory: bool = False):
+    """The one throughput row with this source ("slow_transform", "plain" or "resident"), workers and pinning."""
+    found = [row for row in rows
+             if (row.source, row.num_workers, row.pin_memory) == (source, num_workers, pin_memory)]
+    if len(found) != 1:
+        raise KeyError(f"{len(found)} rows for source={source!r}, num_workers={num_workers}, pin_memory={pin_memory}")
+    return found[0]

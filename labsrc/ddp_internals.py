@@ -1,6 +1,7 @@
-"""Looking inside torch DDP: counting its all-reduces, its unused-parameter error, bucket views, compression, a profiler timeline."""
+"""Looking inside torch DDP: counting its all-reduces, no_sync, its unused-parameter error, bucket views, compression, a profiler timeline."""
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -9,6 +10,8 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from labsrc.training.loop import step
 
 
 def layered_model(layers: int = 6, width: int = 128, classes: int = 10, seed: int = 0) -> nn.Module:
@@ -68,12 +71,26 @@ def torch_ddp_caps(bucket_cap_mb: float | None) -> tuple[int, int]:
     return cap, cap
 
 
-def one_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Zero the gradients, forward (N, width) inputs, cross-entropy against (N,) labels, backward; the loss."""
+def accumulate(model: DDP, batches: list, counter: CommCounter, forward_inside: bool = True) -> list[int]:
+    """Gradient accumulation over micro-batches [(images, labels), ...], no_sync on all but the last.
+
+    Returns the all-reduces counted in each micro-step. DDP decides in forward() whether the coming
+    backward synchronises, so forward must run inside no_sync() too; with forward_inside=False only
+    backward is inside, and every micro-step all-reduces. Each micro-loss is divided by the number of
+    micro-batches, so the accumulated gradient is the mean over all of them.
+    """
     model.zero_grad(set_to_none=True)
-    loss = F.cross_entropy(model(images), labels)
-    loss.backward()
-    return loss.detach()
+    calls = []
+    for index, (images, labels) in enumerate(batches):
+        counter.reset()
+        last = index == len(batches) - 1
+        skip = contextlib.nullcontext() if last else model.no_sync()
+        with skip if forward_inside else contextlib.nullcontext():
+            loss = F.cross_entropy(model(images), labels) / len(batches)
+        with contextlib.nullcontext() if forward_inside else skip:
+            loss.backward()
+        calls.append(counter.calls)
+    return calls
 
 
 class WithUnusedBranch(nn.Module):
@@ -88,19 +105,26 @@ class WithUnusedBranch(nn.Module):
         return self.used(inputs)
 
 
-def unused_parameter_outcomes(images: torch.Tensor, labels: torch.Tensor) -> dict[str, str]:
-    """Two steps of a model with an unused layer under three DDP settings: what happened in each."""
-    outcomes = {}
-    for name, options in [("default", {}), ("find_unused_parameters=True", {"find_unused_parameters": True}),
-                          ("static_graph=True", {"static_graph": True})]:
+UNUSED_SETTINGS = {"default": {}, "find_unused_parameters": {"find_unused_parameters": True},
+                   "static_graph": {"static_graph": True}}
+
+
+def unused_parameter_outcomes(images: torch.Tensor, labels: torch.Tensor) -> list[dict]:
+    """Two steps of a model with an unused layer under each of UNUSED_SETTINGS: what happened in each.
+
+    Returns [{"setting", "ok", "error_type", "error"}]: error is the first line of what DDP raised.
+    """
+    outcomes = []
+    for setting, options in UNUSED_SETTINGS.items():
         torch.manual_seed(0)
         model = DDP(WithUnusedBranch(images.shape[1]).to(images.device), **options)
+        outcome = {"setting": setting, "ok": True, "error_type": None, "error": None}
         try:
             for _ in range(2):
-                one_step(model, images, labels)
-            outcomes[name] = "ok"
+                step(model, None, images, labels)
         except RuntimeError as error:
-            outcomes[name] = "RuntimeError: " + str(error).strip().splitlines()[0]
+            outcome.update(ok=False, error_type=type(error).__name__, error=str(error).strip().splitlines()[0])
+        outcomes.append(outcome)
     return outcomes
 
 
@@ -116,13 +140,13 @@ def gradient_storages(model: nn.Module, counter: CommCounter) -> dict:
                                   if p.grad is not None)}
 
 
-def bucket_view_comparison(make_model, images, labels, bucket_cap_mb: float) -> dict:
+def bucket_view_comparison(make_model, images, labels, bucket_cap_mb: float) -> list[dict]:
     """gradient_as_bucket_view off and on: the bytes of every distinct gradient storage, measured.
 
     Off: DDP's buckets hold a copy of every gradient, so gradients are stored twice.
-    On: each .grad is a view into its bucket: one copy. bytes_saved is the measured difference.
+    On: each .grad is a view into its bucket: one copy. One row per setting, {"as_view", ...storages}.
     """
-    results = {}
+    rows = []
     for as_view in (False, True):
         if images.is_cuda:
             torch.cuda.synchronize()
@@ -132,65 +156,74 @@ def bucket_view_comparison(make_model, images, labels, bucket_cap_mb: float) -> 
         model.register_comm_hook(counter, counting_hook())
         for _ in range(2):  # the second step runs with the buckets DDP rebuilt after the first
             counter.bucket_storages.clear()
-            one_step(model, images, labels)
-        results[f"view={as_view}"] = gradient_storages(model, counter)
+            step(model, None, images, labels)
+        row = {"as_view": as_view, **gradient_storages(model, counter), "cuda_allocated_bytes": None}
         if images.is_cuda:  # on a GPU the allocator's own count says the same
-            results[f"view={as_view}"]["cuda_allocated_bytes"] = torch.cuda.memory_allocated() - before
+            row["cuda_allocated_bytes"] = torch.cuda.memory_allocated() - before
+        rows.append(row)
         del model
-    results["bytes_saved"] = results["view=False"]["storage_bytes"] - results["view=True"]["storage_bytes"]
-    return results
+    return rows
 
 
-def compression_comparison(make_model, images, labels) -> dict:
+COMPRESSION = {"fp32": ("fp32 all-reduce", None, default_hooks.allreduce_hook),
+               "fp16": ("fp16 compression", torch.float16, default_hooks.fp16_compress_hook),
+               "bf16": ("bf16 compression", torch.bfloat16, default_hooks.bf16_compress_hook)}
+
+
+def compression_comparison(make_model, images, labels) -> list[dict]:
     """fp32 all-reduce vs fp16/bf16 compression: bytes sent per step (counted) and the gradient error.
 
     The counting hooks compute what torch's fp16_compress_hook and bf16_compress_hook compute;
     same_as_torch_hook checks that gradient for gradient (gloo all-reduces 16-bit tensors on the CPU too).
+    One row per scheme (a key of COMPRESSION), the error measured against the fp32 all-reduce.
     """
-    rows, reference = {}, None
-    for name, dtype, torch_hook in [("fp32 all-reduce", None, default_hooks.allreduce_hook),
-                                    ("fp16 compression", torch.float16, default_hooks.fp16_compress_hook),
-                                    ("bf16 compression", torch.bfloat16, default_hooks.bf16_compress_hook)]:
+    rows, reference = [], None
+    for scheme, (label, dtype, torch_hook) in COMPRESSION.items():
         model, theirs = DDP(make_model()), DDP(make_model())
         counter = CommCounter()
         model.register_comm_hook(counter, counting_hook(dtype))
         theirs.register_comm_hook(None, torch_hook)
-        one_step(model, images, labels)
-        one_step(theirs, images, labels)
+        step(model, None, images, labels)
+        step(theirs, None, images, labels)
         grads = [p.grad.clone() for p in model.parameters()]
         reference = reference or grads
-        rows[name] = {"bytes": counter.bytes, "calls": counter.calls, "dtypes": sorted(counter.dtypes),
-                      "max_error": max((g - r).abs().max().item() for g, r in zip(grads, reference)),
-                      "same_as_torch_hook": all(torch.equal(g, p.grad) for g, p in zip(grads, theirs.parameters()))}
+        rows.append({"scheme": scheme, "label": label, "bytes": counter.bytes, "calls": counter.calls,
+                     "dtypes": sorted(counter.dtypes),
+                     "max_error": max((g - r).abs().max().item() for g, r in zip(grads, reference)),
+                     "same_as_torch_hook": all(torch.equal(g, p.grad) for g, p in zip(grads, theirs.parameters()))})
     return rows
 
 
+SPAN_LABELS = {"backward": "backward op", "allreduce_launched": "all-reduce launched",
+               "allreduce_running": "all-reduce running"}
+
+
 def span_kind(name: str, on_device: bool = False) -> str | None:
-    """Which lane a profiler event belongs to: a backward op, an all-reduce launched, an all-reduce running.
+    """Which lane (a key of SPAN_LABELS) a profiler event belongs to, from torch's own event name.
 
     `c10d::allreduce_` is the launch. gloo's `gloo:all_reduce` runs on gloo's own threads; with NCCL the
     host-side `nccl:all_reduce` only enqueues (skipped), and the NCCL kernel on the GPU is what runs.
     """
     if name.startswith("autograd::engine::evaluate_function"):
-        return "backward op"
+        return "backward"
     if name.startswith("c10d::allreduce"):
-        return "all-reduce launched"
+        return "allreduce_launched"
     if name.startswith("nccl:") and not on_device:
         return None
     if "allreduce" in name.lower().replace("_", ""):  # gloo:all_reduce, ncclDevKernel_AllReduce_...
-        return "all-reduce running"
+        return "allreduce_running"
     return None
 
 
 def profiled_step(model: DDP, images, labels, trace_path: str) -> list[dict]:
     """Profile one DDP step, keep the Chrome trace (Perfetto, TensorBoard), return its backward and all-reduce spans.
 
-    Spans are {"name": lane, "op": profiler name, "start": ms, "end": ms}, times from the first span.
+    Spans are {"kind": a key of SPAN_LABELS, "op": profiler name, "start": ms, "end": ms}, times from the first span.
     """
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if images.is_cuda else [])
     with profile(activities=activities) as profiler:
-        one_step(model, images, labels)
+        step(model, None, images, labels)
         if images.is_cuda:
             torch.cuda.synchronize()
     profiler.export_chrome_trace(trace_path)
@@ -198,10 +231,35 @@ def profiled_step(model: DDP, images, labels, trace_path: str) -> list[dict]:
     for event in profiler.events():
         kind = span_kind(event.name, on_device=event.device_type != torch.autograd.DeviceType.CPU)
         if kind:
-            spans.append({"name": kind, "op": event.name, "start": event.time_range.start / 1000.0,
+            spans.append({"kind": kind, "op": event.name, "start": event.time_range.start / 1000.0,
                           "end": event.time_range.end / 1000.0})  # microseconds -> milliseconds
     origin = min((s["start"] for s in spans), default=0.0)
     for span in spans:
         span["start"] -= origin
         span["end"] -= origin
     return sorted(spans, key=lambda span: span["start"])
+
+
+def covered_ms(intervals: list[tuple[float, float]], until: float = float("inf")) -> float:
+    """Length of the union of (start, end) intervals up to `until`: overlapping ones counted once."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        start, end = max(start, reach), min(end, until)
+        if end > start:
+            total += end - start
+        reach = max(reach, end)
+    return total
+
+
+def overlap_ms(spans: list[dict]) -> dict:
+    """When backward ends, when all-reduces are launched, and how long some all-reduce ran (in all, and during backward).
+
+    spans: as profiled_step returns them. gloo runs all-reduces on two threads, so running spans can
+    overlap each other: their union is measured.
+    """
+    backward_end = max(s["end"] for s in spans if s["kind"] == "backward")
+    launched = [s["start"] for s in spans if s["kind"] == "allreduce_launched"]
+    running = [(s["start"], s["end"]) for s in spans if s["kind"] == "allreduce_running"]
+    return {"backward_end": backward_end, "first_launch": min(launched),
+            "launched_during_backward": sum(t < backward_end for t in launched), "launched": len(launched),
+            "running_ms": covered_ms(running), "running_ms_during_backward": covered_ms(running, backward_end)}

@@ -2,10 +2,22 @@
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+
+class ScheduleEvent(NamedTuple):
+    """One moment of BucketedDDP's schedule."""
+
+    kind: str
+    """hook (a parameter's gradient became ready) or all_reduce (a bucket's all-reduce was launched)."""
+    index: int
+    """The parameter's index (hook) or the bucket's (all_reduce)."""
+    time: float
+    """time.perf_counter() seconds."""
 
 
 def broadcast_parameters(module: nn.Module) -> None:
@@ -74,7 +86,7 @@ class BucketedDDP(nn.Module):
         self.buckets = assign_buckets(self.parameters_in_order, int(bucket_cap_mb * 2**20))
         self.bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
         self.allreduce_calls = 0
-        self.events: list[tuple[str, float]] = []  # ("hook p", t) and ("all_reduce b", t): the schedule
+        self.events: list[ScheduleEvent] = []  # this step's schedule: hooks fired, all-reduces launched
         self._reset()
         broadcast_parameters(module)
         for index, parameter in enumerate(self.parameters_in_order):
@@ -92,7 +104,7 @@ class BucketedDDP(nn.Module):
         def hook(parameter: torch.Tensor) -> None:
             if not any(self.ready):  # the first gradient of a new backward: keep this step's schedule only
                 self.events.clear()
-            self.events.append((f"hook {index}", time.perf_counter()))
+            self.events.append(ScheduleEvent("hook", index, time.perf_counter()))
             bucket = self.bucket_of[index]
             self.ready[bucket] += 1
             while (self.next_bucket < len(self.buckets)
@@ -104,7 +116,7 @@ class BucketedDDP(nn.Module):
     def _launch(self, bucket: int) -> None:
         grads = [self.parameters_in_order[i].grad for i in self.buckets[bucket]]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self.events.append((f"all_reduce {bucket}", time.perf_counter()))
+        self.events.append(ScheduleEvent("all_reduce", bucket, time.perf_counter()))
         self.pending.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
         self.allreduce_calls += 1
 

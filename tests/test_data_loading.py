@@ -10,8 +10,9 @@ from torch.utils.data import DistributedSampler
 from labsrc.training import data
 from labsrc.core import runs
 from labsrc import data_loading
-from labsrc.core.world import RankContext
+from labsrc.core.world import RankContext, RequestError
 from labsrc.labs import data_loading as data_loading_lab
+from labsrc.labs.data_loading import Joined, NoJoin, Options, Partition, Skipped, Throughput
 from labsrc.core.forked import run_ranks
 
 CPU = torch.device("cpu")
@@ -100,7 +101,8 @@ def test_worker_processes_deliver_the_same_batches_as_the_main_process():
 def test_sweep_arms_offer_pin_memory_only_with_a_gpu():
     dataset = data.random_noise(8, image_size=2)
     arms = data_loading_lab.sweep_arms(rank_context(0, 1), dataset, 0.001, [0, 2])
-    assert [arm["num_workers"] for arm in arms] == [0, 2, 0]
+    assert [(arm["source"], arm["num_workers"]) for arm in arms] == [("slow_transform", 0), ("slow_transform", 2),
+                                                                      ("plain", 0)]
     assert not any(arm["pin_memory"] for arm in arms)
     if not torch.cuda.is_available():
         pytest.skip("pin_memory arm needs CUDA: no GPU here (the CPU arms were checked)")
@@ -108,12 +110,46 @@ def test_sweep_arms_offer_pin_memory_only_with_a_gpu():
     assert [arm["pin_memory"] for arm in data_loading_lab.sweep_arms(gpu, dataset, 0.001, [0])] == [False, False, True]
 
 
+@pytest.mark.parametrize("values, named", [({"workers": (0, -1)}, "workers"), ({"steps": 0}, "steps"),
+                                           ({"cost_ms": -1}, "cost_ms"), ({"join_timeout_s": 0}, "join_timeout_s"),
+                                           ({"global_batch": -8}, "global_batch")])
+def test_options_refuse_bad_values_naming_the_option(values, named):
+    with pytest.raises(RequestError, match=named):
+        Options.make(**values)
+
+
+def test_options_round_trip_through_the_command_line():
+    options = Options.make(workers="0 2", cost_ms=1, global_batch=64)
+    assert options.workers == (0, 2)
+    assert Options.parse(options.to_argv()) == options
+
+
+def test_global_batch_must_split_over_the_ranks():
+    ci = data_loading_lab.resolve_profile(Options.make(profile="ci"))
+    assert data_loading_lab.per_rank_batch(96, ci, 4) == 24
+    assert data_loading_lab.per_rank_batch(0, ci, 3) == ci.global_batch // 3, "the profile's batch, rounded down"
+    with pytest.raises(RequestError, match="multiple of 3"):
+        data_loading_lab.per_rank_batch(64, ci, 3)
+
+
+def test_arms_are_found_by_their_keys_not_their_labels():
+    rows = [Throughput(source=source, num_workers=workers, pin_memory=False, label="any text", batch=4,
+                       transform_cost_s=0.0, steps=1, data_s=0.0, compute_s=0.0, data_steps_s=[], compute_steps_s=[])
+            for source, workers in [("slow_transform", 0), ("slow_transform", 2), ("resident", 0)]]
+    assert data_loading.find_arm(rows, "slow_transform", num_workers=2) is rows[1]
+    assert data_loading.find_arm(rows, "resident") is rows[2]
+    with pytest.raises(KeyError):
+        data_loading.find_arm(rows, "plain")
+    assert data_loading.transform_floor_s(8, 0.002, 0) == data_loading.transform_floor_s(8, 0.002, 1) == 8 * 0.002
+    assert data_loading.transform_floor_s(8, 0.002, 4) == 8 * 0.002 / 4
+    assert data_loading.data_bound(0.2, 0.1) and not data_loading.data_bound(0.1, 0.2)
+
+
 def _lab_in_process(ctx, run_dir):
-    args = data_loading_lab.make_parser().parse_args(
-        ["--profile", "ci", "--workers", "0", "--steps", "2", "--join-timeout-s", "1", "--cost-ms", "1"])
+    options = Options.make(profile="ci", workers=(0,), steps=2, join_timeout_s=1, cost_ms=1)
     records = runs.RecordWriter(run_dir, ctx.rank)
     try:
-        return data_loading_lab.data_loading_lab(ctx, records, args)
+        return data_loading_lab.data_loading_lab(ctx, records, options)
     finally:
         records.close()
 
@@ -126,14 +162,16 @@ def lab_run(tmp_path_factory):
     return summaries[0], runs.read_records(run_dir)
 
 
-def _of_kind(records, kind):
-    return {rank: [r for r in rows if r["kind"] == kind] for rank, rows in records.items()}
+def _of(records, record_class):
+    """{rank: [typed record, ...]} of one kind."""
+    return {rank: [record_class.from_dict(r) for r in rows if r["kind"] == record_class.KIND]
+            for rank, rows in records.items()}
 
 
 def test_lab_records_each_ranks_own_sampler_orders(lab_run):
     summary, records = lab_run
-    for rank, rows in _of_kind(records, "partition").items():
-        by_flag = {row["set_epoch"]: row["epochs"] for row in rows}
+    for rank, rows in _of(records, Partition).items():
+        by_flag = {row.set_epoch: row.epochs for row in rows}
         for flag in (True, False):
             expected = data_loading.rank_epoch_orders(summary["dataset_size"], rank, 2, summary["epochs"], set_epoch=flag)
             assert by_flag[flag] == expected
@@ -141,32 +179,35 @@ def test_lab_records_each_ranks_own_sampler_orders(lab_run):
 
 def test_join_lets_uneven_ranks_finish_with_identical_parameters(lab_run):
     summary, records = lab_run
-    joined = [rows[0] for rows in _of_kind(records, "join").values()]
+    joined = [rows[0] for rows in _of(records, Joined).values()]
     assert summary["batches_per_rank"] == [3, 4]
-    assert [r["steps"] for r in joined] == summary["batches_per_rank"]
-    assert joined[0]["weight"] == joined[1]["weight"]
+    assert [r.steps for r in joined] == summary["batches_per_rank"]
+    assert joined[0].weight == joined[1].weight
     reference = data_loading.uneven_reference(summary["batches_per_rank"], seed=0)
-    torch.testing.assert_close(torch.tensor(joined[0]["weight"]), reference.flatten())
+    torch.testing.assert_close(torch.tensor(joined[0].weight), reference.flatten())
     by_active = data_loading.uneven_reference(summary["batches_per_rank"], seed=0, divide_by_initial_world_size=False)
-    assert not torch.allclose(torch.tensor(joined[0]["weight"]), by_active.flatten()), "Join's default divisor"
+    assert not torch.allclose(torch.tensor(joined[0].weight), by_active.flatten()), "Join's default divisor"
 
 
 def test_without_join_the_longer_rank_waits_until_the_timeout(lab_run):
     summary, records = lab_run
-    short, long = [rows[0] for rows in _of_kind(records, "no_join").values()]
-    assert (short["steps"], short["error"]) == (3, None), "the rank with fewer batches finishes its own"
-    assert long["steps"] == 3 and long["planned"] == 4, "the 4th step can never complete"
-    assert "Timed out" in long["error"]
-    assert long["waited_s"] >= 0.5 * summary["join_timeout_s"], "the wait ended before the timeout"
+    short, long = [rows[0] for rows in _of(records, NoJoin).values()]
+    assert (short.steps, short.error) == (3, None), "the rank with fewer batches finishes its own"
+    assert long.steps == 3 and long.planned == 4, "the 4th step can never complete"
+    assert long.error_type in ("RuntimeError", "DistBackendError") and "Timed out" in long.error, long.error
+    assert long.waited_s >= 0.5 * summary["join_timeout_s"], "the wait ended before the timeout"
 
 
 def test_lab_sweep_times_every_arm_and_skips_pin_memory_without_gpu(lab_run):
     summary, records = lab_run
-    arms = [row["arm"] for row in _of_kind(records, "throughput")[0]]
-    assert arms == ["slow transform, 0 worker(s)", "no slow transform, 0 workers", "resident on the device"]
-    slow = _of_kind(records, "throughput")[0][0]
-    assert slow["data_s"] >= slow["batch"] * slow["transform_cost_s"]
-    assert len(_of_kind(records, "skipped")[0]) == (0 if torch.cuda.is_available() else 1)
+    rows = _of(records, Throughput)[0]
+    assert [(row.source, row.num_workers) for row in rows] == [("slow_transform", 0), ("plain", 0), ("resident", 0)]
+    assert [row.label for row in rows] == ["slow transform, 0 worker(s)", "no slow transform, 0 worker(s)",
+                                           "resident on the device"]
+    assert all(row.batch == summary["batch_per_rank"] == 32 for row in rows), "ci: global batch 64 on 2 ranks"
+    slow = data_loading.find_arm(rows, "slow_transform")
+    assert slow.data_s >= data_loading.transform_floor_s(slow.batch, slow.transform_cost_s, 0)
+    assert len(_of(records, Skipped)[0]) == (0 if torch.cuda.is_available() else 1)
 
 
 def test_image_folder_loads_a_folder_of_pngs(tmp_path):

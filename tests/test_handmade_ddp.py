@@ -6,9 +6,11 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labsrc import ddp_internals, handmade_ddp
-from labsrc.labs import ddp_internals as lab
-from labsrc.plots.ddp_internals import covered_ms, overlap_ms
 from labsrc.core.forked import run_ranks
+from labsrc.core.world import RequestError
+from labsrc.ddp_internals import covered_ms, overlap_ms
+from labsrc.labs import ddp_internals as lab
+from labsrc.training.loop import step as train_step
 
 WIDTH, BATCH, STEPS = 32, 4, 3
 
@@ -30,11 +32,8 @@ def _train_all(ctx):
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         gradients = []
         for step in range(STEPS):
-            ddp_internals.one_step(model, *lab.rank_batch(ctx.rank, BATCH, WIDTH, step))
-            if version == "after_backward":
-                model.sync_gradients()
-            elif version == "buckets":
-                model.finish_gradient_sync()
+            train_step(model, None, *lab.rank_batch(ctx.rank, BATCH, WIDTH, step))
+            lab.synchronise(model)
             gradients.append([p.grad.clone() for p in model.parameters()])
             optimizer.step()
         trained[version] = (gradients, [p.detach().clone() for p in model.parameters()])
@@ -48,7 +47,7 @@ def _single_process(world_size: int):
     gradients = []
     for step in range(STEPS):
         batches = [lab.rank_batch(rank, BATCH, WIDTH, step) for rank in range(world_size)]
-        ddp_internals.one_step(model, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+        train_step(model, None, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
         gradients.append([p.grad.clone() for p in model.parameters()])
         optimizer.step()
     return gradients, [p.detach().clone() for p in model.parameters()]
@@ -87,7 +86,7 @@ def _torch_ddp_bucket_counts(ctx, caps_mb, width):
         calls = []
         for step in range(3):
             counter.reset()
-            ddp_internals.one_step(model, *lab.rank_batch(ctx.rank, 2, width, step))
+            train_step(model, None, *lab.rank_batch(ctx.rank, 2, width, step))
             calls.append(counter.calls)
         first_cap, cap_bytes = ddp_internals.torch_ddp_caps(cap)
         rows.append((calls, len(handmade_ddp.assign_buckets(parameters, cap_bytes, first_cap)), counter.bytes))
@@ -110,16 +109,16 @@ def test_torch_ddp_all_reduces_per_step_equal_the_predicted_buckets():
 def _bucketed_schedule(ctx):
     model = handmade_ddp.BucketedDDP(ddp_internals.layered_model(layers=3, width=WIDTH), bucket_cap_mb=0.005)
     for step in range(2):
-        ddp_internals.one_step(model, *lab.rank_batch(ctx.rank, BATCH, WIDTH, step))
+        train_step(model, None, *lab.rank_batch(ctx.rank, BATCH, WIDTH, step))
         model.finish_gradient_sync()
-    return len(model.buckets), model.allreduce_calls, [name for name, _ in model.events]
+    return len(model.buckets), model.allreduce_calls, [(event.kind, event.index) for event in model.events]
 
 
 def test_bucketed_version_launches_all_reduces_before_backward_ends():
     buckets, calls, events = run_ranks(_bucketed_schedule, 2)[0]
-    launches = [name for name in events if name.startswith("all_reduce")]
-    assert calls == 2 * buckets and len(launches) == buckets > 1, "one all-reduce per bucket per step"
-    assert events.index("all_reduce 0") < events.index("hook 0"), "the first bucket must go before the last gradient"
+    launches = [index for kind, index in events if kind == "all_reduce"]
+    assert calls == 2 * buckets and launches == list(range(buckets)) and buckets > 1, "one all-reduce per bucket per step"
+    assert events.index(("all_reduce", 0)) < events.index(("hook", 0)), "the first bucket must go before the last gradient"
 
 
 class _UsedBackwards(torch.nn.Module):
@@ -139,32 +138,32 @@ class _UsedBackwards(torch.nn.Module):
 def _out_of_order(ctx):
     images, labels = lab.rank_batch(ctx.rank, BATCH, WIDTH)
     bucketed = handmade_ddp.BucketedDDP(_UsedBackwards(), bucket_cap_mb=0.001)
-    ddp_internals.one_step(bucketed, images, labels)
-    launches = [name for name, _ in bucketed.events if name.startswith("all_reduce")]
-    first_hook = bucketed.events[0][0]
+    train_step(bucketed, None, images, labels)
+    launches = [event.index for event in bucketed.events if event.kind == "all_reduce"]
+    first_hook = bucketed.events[0][:2]
     bucketed.finish_gradient_sync()
     plain = handmade_ddp.AllReduceAfterBackward(_UsedBackwards())
-    ddp_internals.one_step(plain, images, labels)
+    train_step(plain, None, images, labels)
     plain.sync_gradients()
     return launches, first_hook, [p.grad for p in bucketed.parameters()], [p.grad for p in plain.parameters()]
 
 
 def test_buckets_are_launched_in_order_even_when_a_later_one_fills_first():
     launches, first_hook, bucketed, plain = run_ranks(_out_of_order, 2)[0]
-    assert first_hook in ("hook 0", "hook 1"), "the first layer defined is used last, so its gradient comes first"
-    assert launches == ["all_reduce 0", "all_reduce 1", "all_reduce 2"]
+    assert first_hook in (("hook", 0), ("hook", 1)), "the first layer defined is used last, so its gradient comes first"
+    assert launches == [0, 1, 2]
     for mine, reference in zip(bucketed, plain):
         torch.testing.assert_close(mine, reference)
 
 
 class _Records:
-    """Collects what a lab part writes, by kind."""
+    """Collects the typed records a lab part writes, by kind."""
 
     def __init__(self):
         self.by_kind = {}
 
-    def write(self, kind, **fields):
-        self.by_kind[kind] = fields
+    def write(self, record):
+        self.by_kind.setdefault(type(record).KIND, []).append(record)
 
 
 def _lab_parts(ctx, folder):
@@ -177,31 +176,54 @@ def _lab_parts(ctx, folder):
 
 def test_no_sync_unused_parameters_bucket_view_compression_and_overlap(tmp_path):
     found = run_ranks(_lab_parts, 2, args=(str(tmp_path),))[0]
-    accumulation = found["no_sync"]
-    buckets = accumulation["buckets_per_step"]
-    assert buckets > 1 and accumulation["calls_per_micro_step"] == [0, 0, buckets]
-    assert accumulation["calls_with_forward_outside_no_sync"] == [buckets] * 3
-    assert accumulation["vs_large_batch"] < 1e-6
-    unused = found["unused_parameters"]
-    assert unused["default"].startswith("RuntimeError: Expected to have finished reduction")
-    assert unused["find_unused_parameters=True"] == "ok" and unused["static_graph=True"] == "ok"
-    views = found["bucket_view"]
-    assert views["view=True"]["grads_inside_buckets"] and not views["view=False"]["grads_inside_buckets"]
-    assert views["bytes_saved"] == views["view=False"]["gradient_bytes"] > 0
-    compression = found["compression"]
-    fp32 = compression["fp32 all-reduce"]
-    for name, dtype in (("fp16 compression", "float16"), ("bf16 compression", "bfloat16")):
-        row = compression[name]
-        assert row["same_as_torch_hook"] and row["dtypes"] == [dtype]
-        assert row["bytes"] * 2 == fp32["bytes"] and row["calls"] == fp32["calls"]
-        assert 0 < row["max_error"] < 1e-2
-    spans = found["profile"]["spans"]
-    assert os.path.getsize(found["profile"]["trace"]) > 0
-    assert {"backward op", "all-reduce launched", "all-reduce running"} <= {s["name"] for s in spans}
-    timeline = overlap_ms(spans)
+    [accumulation] = found["no_sync"]
+    buckets = accumulation.buckets_per_step
+    assert buckets > 1 and accumulation.calls_per_micro_step == [0, 0, buckets]
+    assert accumulation.calls_with_forward_outside_no_sync == [buckets] * 3
+    assert accumulation.vs_large_batch < 1e-6
+    unused = {row.setting: row for row in found["unused_parameters"]}
+    assert not unused["default"].ok and "Expected to have finished reduction" in unused["default"].error
+    assert unused["find_unused_parameters"].ok and unused["static_graph"].ok
+    views = {row.as_view: row for row in found["bucket_view"]}
+    assert views[True].grads_inside_buckets and not views[False].grads_inside_buckets
+    assert views[False].storage_bytes - views[True].storage_bytes == views[False].gradient_bytes > 0
+    compression = {row.scheme: row for row in found["compression"]}
+    fp32 = compression["fp32"]
+    for scheme, dtype in (("fp16", "float16"), ("bf16", "bfloat16")):
+        row = compression[scheme]
+        assert row.same_as_torch_hook and row.dtypes == [dtype]
+        assert row.bytes * 2 == fp32.bytes and row.calls == fp32.calls
+        assert 0 < row.max_error < 1e-2
+    [profiled] = found["profile"]
+    assert os.path.getsize(profiled.trace) > 0
+    assert set(ddp_internals.SPAN_LABELS) <= {s["kind"] for s in profiled.spans}
+    timeline = overlap_ms(profiled.spans)
     assert timeline["launched"] > 1 and timeline["launched_during_backward"] == timeline["launched"]
-    events = [name for name, _ in found["handmade_schedule"]["events"]]
-    assert found["handmade_schedule"]["buckets"] > 1 and events.index("all_reduce 0") < events.index("hook 0")
+    [schedule] = found["handmade_schedule"]
+    events = [(e["kind"], e["index"]) for e in schedule.events]
+    assert schedule.buckets > 1 and events.index(("all_reduce", 0)) < events.index(("hook", 0))
+
+
+def test_overlap_counts_launches_by_span_kind():
+    spans = [{"kind": "backward", "start": 0.0, "end": 4.0}, {"kind": "allreduce_launched", "start": 1.0, "end": 1.1},
+             {"kind": "allreduce_launched", "start": 5.0, "end": 5.1},
+             {"kind": "allreduce_running", "start": 1.0, "end": 3.0}, {"kind": "allreduce_running", "start": 2.0, "end": 6.0}]
+    timeline = overlap_ms(spans)
+    assert (timeline["launched"], timeline["launched_during_backward"], timeline["first_launch"]) == (2, 1, 1.0)
+    assert (timeline["running_ms"], timeline["running_ms_during_backward"]) == (5.0, 3.0)
+
+
+@pytest.mark.parametrize("values, named", [({"parts": ("buckets", "nothing")}, "nothing"), ({"caps_mb": (0.1, 0)}, "caps_mb"),
+                                           ({"micro_steps": 0}, "micro_steps"), ({"width": -1}, "width")])
+def test_options_refuse_bad_values_naming_them(values, named):
+    with pytest.raises(RequestError, match=named):
+        lab.Options.make(**values)
+
+
+def test_options_round_trip_through_the_command_line():
+    options = lab.Options.make(caps_mb="0.02 0.2 2", parts="buckets", global_batch=32)
+    assert options.caps_mb == (0.02, 0.2, 2.0) and options.parts == ("buckets",)
+    assert lab.Options.parse(options.to_argv()) == options
 
 
 def test_covered_time_counts_overlapping_intervals_once():

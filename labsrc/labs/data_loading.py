@@ -1,16 +1,114 @@
 """Data loading on n ranks: shards per epoch, uneven inputs with and without Join, and where a step's time goes.
 
+    python -m labsrc.launch --nproc 2 data_loading -- --cost-ms 2 --workers 0 2
     torchrun --nproc-per-node 2 -m labsrc.labs.data_loading --profile ci
 """
 from __future__ import annotations
 
-import torch
-from torch.nn import functional as F
+from dataclasses import dataclass
+from typing import ClassVar
 
-from labsrc.training import data
+import torch
+
 from labsrc import data_loading
-from labsrc.core.lab import base_parser, resolve_profile, run_lab
+from labsrc.core.lab import resolve_profile, run_lab
+from labsrc.core.options import LabOptions, positive
+from labsrc.core.runs import Record
+from labsrc.core.world import RequestError
+from labsrc.training import data
+from labsrc.training.loop import step
 from labsrc.training.models import build_model
+
+SOURCES = {"slow_transform": "slow transform", "plain": "no slow transform", "resident": "resident on the device"}
+
+
+@dataclass
+class Options(LabOptions):
+    """Sampler shards, uneven inputs with and without Join, and the loader timed against the step."""
+
+    dataset_size: int = 10
+    """Samples in the partition demo (small enough to read every index)."""
+    epochs: int = 3
+    """Epochs in the partition demo."""
+    uneven_base: int = 3
+    """Rank r gets uneven_base + r batches in the Join demo."""
+    join_timeout_s: float = 1.5
+    """Collective timeout that ends the no-Join hang (real jobs wait 10-30 min)."""
+    cost_ms: float = 2.0
+    """Milliseconds the slow transform takes per sample (a JPEG decode and augmentation)."""
+    workers: tuple[int, ...] = ()
+    """num_workers values to sweep (empty: 0, 2 and the profile's)."""
+    steps: int = 6
+    """Timed batches per loader arm, after one warm-up batch."""
+    global_batch: int = 0
+    """Samples per step over all ranks in the loader sweep (0: the profile's); must split over the ranks."""
+
+    def validate(self) -> None:
+        super().validate()
+        for name in ("dataset_size", "epochs", "uneven_base", "join_timeout_s", "steps"):
+            positive(name, getattr(self, name))
+        positive("cost_ms", self.cost_ms, allow_zero=True)
+        positive("global_batch", self.global_batch, allow_zero=True)
+        if any(count < 0 for count in self.workers):
+            raise RequestError(f"workers are num_workers values, 0 or more (got {list(self.workers)}).")
+
+
+@dataclass
+class Partition(Record):
+    """The indices this rank read in each epoch, with or without sampler.set_epoch."""
+
+    KIND: ClassVar[str] = "partition"
+    set_epoch: bool
+    epochs: list  # [[index, ...] read in epoch 0, [...] in epoch 1, ...]
+
+
+@dataclass
+class NoJoin(Record):
+    """Uneven DDP without Join: steps done before the collective timed out, and what it raised."""
+
+    KIND: ClassVar[str] = "no_join"
+    steps: int
+    planned: int
+    error_type: str | None
+    error: str | None
+    waited_s: float
+    timeout_s: float
+
+
+@dataclass
+class Joined(Record):
+    """Uneven DDP inside Join: steps done and the final weight (1, 4) flattened."""
+
+    KIND: ClassVar[str] = "join"
+    steps: int
+    weight: list
+
+
+@dataclass
+class Throughput(Record):
+    """One loader arm: median seconds per step waiting for data and computing (forward, backward, update)."""
+
+    KIND: ClassVar[str] = "throughput"
+    source: str  # a key of SOURCES
+    num_workers: int
+    pin_memory: bool
+    label: str  # for display only
+    batch: int
+    transform_cost_s: float
+    steps: int
+    data_s: float
+    compute_s: float
+    data_steps_s: list
+    compute_steps_s: list
+
+
+@dataclass
+class Skipped(Record):
+    """An arm that does not apply on this machine, and why."""
+
+    KIND: ClassVar[str] = "skipped"
+    arm: str
+    reason: str
 
 
 def default_workers(profile) -> list[int]:
@@ -18,97 +116,87 @@ def default_workers(profile) -> list[int]:
     return sorted({0, 2, profile.num_workers})
 
 
+def arm_label(source: str, num_workers: int, pin_memory: bool) -> str:
+    """'slow transform, 2 worker(s)', 'no slow transform, 0 worker(s), pin_memory', ..."""
+    if source == "resident":
+        return SOURCES[source]
+    return f"{SOURCES[source]}, {num_workers} worker(s)" + (", pin_memory" if pin_memory else "")
+
+
 def sweep_arms(ctx, dataset, cost_s: float, workers: list[int]) -> list[dict]:
-    """The loaders to time: the slow transform with each num_workers, without it (pin_memory on and off
-    where there is a GPU), each arm as {name, dataset, num_workers, pin_memory, transform_cost_s}."""
+    """The loaders to time: the slow transform with each num_workers, then without it (pin_memory on and off
+    where there is a GPU), each arm as {source, dataset, num_workers, pin_memory, transform_cost_s}."""
     slow = data_loading.SlowTransform(dataset, cost_s)
-    arms = [{"name": f"slow transform, {count} worker(s)", "dataset": slow, "num_workers": count,
-             "pin_memory": False, "transform_cost_s": cost_s} for count in workers]
+    arms = [{"source": "slow_transform", "dataset": slow, "num_workers": count, "pin_memory": False,
+             "transform_cost_s": cost_s} for count in workers]
     pins = [False, True] if ctx.device.type == "cuda" else [False]
-    arms += [{"name": "no slow transform, 0 workers" + (", pin_memory" if pin else ""), "dataset": dataset,
-              "num_workers": 0, "pin_memory": pin, "transform_cost_s": 0.0} for pin in pins]
+    arms += [{"source": "plain", "dataset": dataset, "num_workers": 0, "pin_memory": pin, "transform_cost_s": 0.0}
+             for pin in pins]
     return arms
 
 
-def throughput_sweep(ctx, records, profile, cost_s: float, workers: list[int], steps: int, seed: int) -> None:
+def write_throughput(records, arm: dict, batch: int, timing: dict) -> None:
+    label = arm_label(arm["source"], arm["num_workers"], arm["pin_memory"])
+    records.write(Throughput(source=arm["source"], num_workers=arm["num_workers"], pin_memory=arm["pin_memory"],
+                             label=label, batch=batch, transform_cost_s=arm["transform_cost_s"], **timing))
+
+
+def throughput_sweep(ctx, records, profile, batch: int, cost_s: float, workers: list[int], steps: int,
+                     seed: int) -> None:
     """Per-step data wait vs compute for each loader arm, then for batches resident on the device."""
     dataset = data.synthetic_images(profile.num_samples, profile.image_size, seed=seed)
-    batch = profile.global_batch // ctx.world_size
     model = build_model(profile.model).to(ctx.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr)
-
-    def step(images, labels):
-        optimizer.zero_grad(set_to_none=True)
-        F.cross_entropy(model(images), labels).backward()
-        optimizer.step()
-
+    train_step = lambda images, labels: step(model, optimizer, images, labels)
     if ctx.device.type != "cuda":
-        records.write("skipped", arm="pin_memory",
-                      reason="pin_memory page-locks host memory for fast copies to a GPU; there is no GPU here")
+        records.write(Skipped(arm="pin_memory", reason="pin_memory page-locks host memory for fast copies "
+                                                       "to a GPU; there is no GPU here"))
     arms = sweep_arms(ctx, dataset, cost_s, workers)
     for index, arm in enumerate(arms):
         loader, sampler = data.make_loader(arm["dataset"], batch, ctx, num_workers=arm["num_workers"],
                                            seed=seed, pin_memory=arm["pin_memory"])
-        timing = data_loading.time_batches(data.forever(loader, sampler), steps, ctx.device, step)
-        records.write("throughput", arm=arm["name"], num_workers=arm["num_workers"], pin_memory=arm["pin_memory"],
-                      batch=batch, transform_cost_s=arm["transform_cost_s"], **timing)
+        write_throughput(records, arm, batch,
+                         data_loading.time_batches(data.forever(loader, sampler), steps, ctx.device, train_step))
         records.progress(index + 1, len(arms) + 1)
         del loader, sampler  # ends this arm's worker processes before the next arm is timed
     resident = data.DeviceBatches(dataset, batch, ctx, seed=seed)
-    timing = data_loading.time_batches(resident, steps, ctx.device, step)
-    records.write("throughput", arm="resident on the device", num_workers=0, pin_memory=False, batch=batch,
-                  transform_cost_s=0.0, **timing)
+    arm = {"source": "resident", "num_workers": 0, "pin_memory": False, "transform_cost_s": 0.0}
+    write_throughput(records, arm, batch, data_loading.time_batches(resident, steps, ctx.device, train_step))
     records.progress(len(arms) + 1, len(arms) + 1)
 
 
-def data_loading_lab(ctx, records, args) -> dict:
-    profile = resolve_profile(args)
+def per_rank_batch(global_batch: int, profile, world_size: int) -> int:
+    """Samples per rank per step: global_batch / world_size, which must divide; 0 takes the profile's, rounded down."""
+    if not global_batch:
+        return max(1, profile.global_batch // world_size)
+    if global_batch % world_size:
+        raise RequestError(f"global_batch {global_batch} does not split over {world_size} ranks: "
+                           f"use a multiple of {world_size} (labsrc.core.plan.make_plan gives one).")
+    return global_batch // world_size
+
+
+def data_loading_lab(ctx, records, options: Options) -> dict:
+    profile = resolve_profile(options)
+    batch = per_rank_batch(options.global_batch, profile, ctx.world_size)
     for set_epoch in (True, False):
-        orders = data_loading.rank_epoch_orders(args.dataset_size, ctx.rank, ctx.world_size, args.epochs,
-                                            set_epoch=set_epoch, seed=args.seed)
-        records.write("partition", set_epoch=set_epoch, epochs=orders)
-    batches = [args.uneven_base + rank for rank in range(ctx.world_size)]
+        orders = data_loading.rank_epoch_orders(options.dataset_size, ctx.rank, ctx.world_size, options.epochs,
+                                                set_epoch=set_epoch, seed=options.seed)
+        records.write(Partition(set_epoch=set_epoch, epochs=orders))
+    batches = [options.uneven_base + rank for rank in range(ctx.world_size)]
     if ctx.world_size > 1:
-        stuck = data_loading.train_uneven_without_join(ctx, batches, args.join_timeout_s, args.seed)
-        records.write("no_join", **stuck)
-    joined = data_loading.train_uneven_with_join(ctx, batches, args.seed)
-    records.write("join", steps=joined["steps"], weight=joined["weight"].flatten().tolist())
-    workers = args.workers or default_workers(profile)
-    throughput_sweep(ctx, records, profile, args.cost_ms / 1000, workers, args.steps, args.seed)
-    return {"profile": profile.name, "dataset_size": args.dataset_size, "epochs": args.epochs,
-            "cost_ms": args.cost_ms, "workers": workers, "steps": args.steps, "batches_per_rank": batches,
-            "join_timeout_s": args.join_timeout_s}
-
-
-def launch_data_loading(nproc: int, cost_ms: float = 2.0, workers: tuple | str = (), timeout: float = 300.0):
-    """Run this lab from a notebook (the default cell and the Run button both call this).
-
-    workers: num_workers values to sweep, as a tuple or as text ("0 2"); empty: 0, 2 and the profile's.
-    """
-    from labsrc import launch
-    if isinstance(workers, str):
-        workers = tuple(int(w) for w in workers.replace(",", " ").split())
-    args = ["--cost-ms", cost_ms] + (["--workers", *workers] if workers else [])
-    return launch.run("data_loading", nproc=nproc, args=args, timeout=timeout)
-
-
-def make_parser():
-    parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--dataset-size", type=int, default=10, help="samples in the partition demo (small to read)")
-    parser.add_argument("--epochs", type=int, default=3, help="epochs in the partition demo")
-    parser.add_argument("--uneven-base", type=int, default=3, help="rank r gets this + r batches (Join demo)")
-    parser.add_argument("--join-timeout-s", type=float, default=1.5,
-                        help="collective timeout that ends the no-Join hang (real jobs: 10-30 min)")
-    parser.add_argument("--cost-ms", type=float, default=2.0,
-                        help="milliseconds the slow transform takes per sample (a JPEG decode + augment)")
-    parser.add_argument("--workers", type=int, nargs="*", default=None,
-                        help="num_workers values to sweep (default: 0, 2 and the profile's)")
-    parser.add_argument("--steps", type=int, default=6, help="timed batches per arm, after one warm-up")
-    return parser
+        records.write(NoJoin(**data_loading.train_uneven_without_join(ctx, batches, options.join_timeout_s,
+                                                                      options.seed)))
+    joined = data_loading.train_uneven_with_join(ctx, batches, options.seed)
+    records.write(Joined(steps=joined["steps"], weight=joined["weight"].flatten().tolist()))
+    workers = list(options.workers) or default_workers(profile)
+    throughput_sweep(ctx, records, profile, batch, options.cost_ms / 1000, workers, options.steps, options.seed)
+    return {"profile": profile.name, "dataset_size": options.dataset_size, "epochs": options.epochs,
+            "cost_ms": options.cost_ms, "workers": workers, "steps": options.steps, "batch_per_rank": batch,
+            "batches_per_rank": batches, "join_timeout_s": options.join_timeout_s}
 
 
 def main(argv=None):
-    return run_lab("data_loading", data_loading_lab, make_parser().parse_args(argv))
+    return run_lab("data_loading", data_loading_lab, Options, argv)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,159 @@
 """DDP internals on n ranks: DDP by hand vs torch DDP, buckets, no_sync, unused parameters, bucket views, compression, overlap.
 
+    python -m labsrc.launch --nproc 2 ddp_internals -- --parts buckets --caps-mb 0.02 0.2 2
     torchrun --nproc-per-node 2 -m labsrc.labs.ddp_internals --profile ci
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import os
 import statistics
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
-from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import ddp_internals, handmade_ddp, dp_vs_ddp
-from labsrc.core import runs
-from labsrc.core.lab import base_parser, resolve_profile, run_lab
+from labsrc import ddp_internals, dp_vs_ddp, handmade_ddp
+from labsrc.core.lab import resolve_profile, run_lab
+from labsrc.core.options import LabOptions, positive
+from labsrc.core.runs import Record
+from labsrc.core.world import RequestError
+from labsrc.labs.data_loading import per_rank_batch
+from labsrc.training.loop import step
+from labsrc.training.timing import timed
 
 PARTS = ("equivalence", "buckets", "no_sync", "settings", "overlap")
+VERSIONS = {"torch_ddp": "torch DDP", "after_backward": "handmade: all-reduce after backward",
+            "buckets": "handmade: buckets from hooks"}
+
+
+@dataclass
+class Options(LabOptions):
+    """DDP by hand and torch DDP opened up: which experiments, on which model, with which buckets."""
+
+    width: int = 0
+    """Width of the layered model's Linear layers (0: 8 x the profile's image_size)."""
+    caps_mb: tuple[float, ...] = (0.05, 0.1, 0.25, 1.0, 25.0)
+    """bucket_cap_mb values to sweep."""
+    micro_steps: int = 4
+    """Micro-batches per optimizer step in the no_sync experiment."""
+    parts: tuple[str, ...] = PARTS
+    """Experiments to run, any of: equivalence buckets no_sync settings overlap."""
+    global_batch: int = 0
+    """Samples per step over all ranks (0: the profile's); must split over the ranks."""
+
+    def validate(self) -> None:
+        super().validate()
+        positive("width", self.width, allow_zero=True)
+        positive("micro_steps", self.micro_steps)
+        positive("global_batch", self.global_batch, allow_zero=True)
+        if not self.caps_mb or any(cap <= 0 for cap in self.caps_mb):
+            raise RequestError(f"caps_mb needs one or more bucket sizes in MB, each above 0 (got {self.caps_mb}).")
+        unknown = sorted(set(self.parts) - set(PARTS))
+        if unknown or not self.parts:
+            raise RequestError(f"parts {unknown or '(none)'} unknown: choose from {' '.join(PARTS)}.")
+
+
+@dataclass
+class Equivalence(Record):
+    """One DDP version after some SGD steps: largest gaps to one process and to torch DDP, all-reduces counted."""
+
+    KIND: ClassVar[str] = "equivalence"
+    version: str  # a key of VERSIONS
+    label: str
+    steps: int
+    params_vs_single_process: float
+    params_vs_torch_ddp: float
+    grads_vs_single_process: float
+    grads_vs_torch_ddp: float
+    allreduce_calls_per_step: int | None  # None: torch DDP (counted in the bucket sweep instead)
+    parameters: int
+    buckets: int | None
+
+
+@dataclass
+class BucketSweep(Record):
+    """torch DDP at one bucket_cap_mb: all-reduces per step (step 0 first), bytes, median step time, buckets predicted."""
+
+    KIND: ClassVar[str] = "buckets"
+    cap_mb: float
+    allreduce_calls: int
+    calls_per_step: list
+    step_s: float
+    bytes_per_step: int
+    gradient_bytes: int
+    predicted_buckets: int
+
+
+@dataclass
+class NoSync(Record):
+    """Gradient accumulation with no_sync: all-reduces per micro-step, both ways, and the gap to one large batch."""
+
+    KIND: ClassVar[str] = "no_sync"
+    micro_steps: int
+    calls_per_micro_step: list
+    calls_with_forward_outside_no_sync: list
+    buckets_per_step: int
+    vs_large_batch: float
+
+
+@dataclass
+class UnusedParameters(Record):
+    """A model with an unused layer under one DDP setting: did two steps run, and if not what was raised."""
+
+    KIND: ClassVar[str] = "unused_parameters"
+    setting: str  # a key of ddp_internals.UNUSED_SETTINGS
+    ok: bool
+    error_type: str | None
+    error: str | None
+
+
+@dataclass
+class BucketView(Record):
+    """Gradient storages with gradient_as_bucket_view off or on, measured."""
+
+    KIND: ClassVar[str] = "bucket_view"
+    as_view: bool
+    grad_storages: int
+    bucket_storages: int
+    grads_inside_buckets: bool
+    distinct_storages: int
+    storage_bytes: int
+    gradient_bytes: int
+    cuda_allocated_bytes: int | None
+
+
+@dataclass
+class Compression(Record):
+    """One all-reduce scheme: bytes and calls per step, dtypes sent, gradient error, equal to torch's hook."""
+
+    KIND: ClassVar[str] = "compression"
+    scheme: str  # a key of ddp_internals.COMPRESSION
+    label: str
+    bytes: int
+    calls: int
+    dtypes: list
+    max_error: float
+    same_as_torch_hook: bool
+
+
+@dataclass
+class ProfiledStep(Record):
+    """A profiled torch DDP step: the Chrome trace's path and its spans (ddp_internals.profiled_step)."""
+
+    KIND: ClassVar[str] = "profile"
+    trace: str
+    spans: list
+
+
+@dataclass
+class HandmadeSchedule(Record):
+    """The handmade bucketed DDP's step: [{"kind": hook or all_reduce, "index", "ms" from the first event}]."""
+
+    KIND: ClassVar[str] = "handmade_schedule"
+    buckets: int
+    events: list
 
 
 def rank_batch(rank: int, size: int, width: int, step: int = 0, device="cpu"):
@@ -32,37 +168,42 @@ def layer_width(profile) -> int:
     return 8 * profile.image_size
 
 
+def synchronise(model) -> None:
+    """What each version does between backward and optimizer.step() (torch DDP did it during backward)."""
+    if isinstance(model, handmade_ddp.AllReduceAfterBackward):
+        model.sync_gradients()
+    elif isinstance(model, handmade_ddp.BucketedDDP):
+        model.finish_gradient_sync()
+
+
 def equivalence(ctx, records, width: int, batch: int, steps: int = 3) -> None:
     """Handmade (a) and (b), torch DDP and one process on the union of the batches, after `steps` SGD steps."""
     make = lambda: ddp_internals.layered_model(width=width).to(ctx.device)
-    models = {"torch DDP": DDP(make()), "handmade: all-reduce after backward": handmade_ddp.AllReduceAfterBackward(make()),
-              "handmade: buckets from hooks": handmade_ddp.BucketedDDP(make(), bucket_cap_mb=0.1)}
+    models = {"torch_ddp": DDP(make()), "after_backward": handmade_ddp.AllReduceAfterBackward(make()),
+              "buckets": handmade_ddp.BucketedDDP(make(), bucket_cap_mb=0.1)}
     single = make()
     optimizers = {name: torch.optim.SGD(m.parameters(), lr=0.1) for name, m in {**models, "single": single}.items()}
-    for step in range(steps):
-        images, labels = rank_batch(ctx.rank, batch, width, step, ctx.device)
+    for index in range(steps):
         for name, model in models.items():
-            ddp_internals.one_step(model, images, labels)
-            if isinstance(model, handmade_ddp.AllReduceAfterBackward):
-                model.sync_gradients()
-            elif isinstance(model, handmade_ddp.BucketedDDP):
-                model.finish_gradient_sync()
+            step(model, None, *rank_batch(ctx.rank, batch, width, index, ctx.device))
+            synchronise(model)
             optimizers[name].step()
-        everyone = [rank_batch(rank, batch, width, step, ctx.device) for rank in range(ctx.world_size)]
-        ddp_internals.one_step(single, torch.cat([b[0] for b in everyone]), torch.cat([b[1] for b in everyone]))
-        optimizers["single"].step()
+        everyone = [rank_batch(rank, batch, width, index, ctx.device) for rank in range(ctx.world_size)]
+        step(single, optimizers["single"], torch.cat([b[0] for b in everyone]), torch.cat([b[1] for b in everyone]))
     reference = dict(single.named_parameters())
-    torch_ddp = {k.removeprefix("module."): p for k, p in models["torch DDP"].named_parameters()}
+    torch_ddp = {k.removeprefix("module."): p for k, p in models["torch_ddp"].named_parameters()}
     for name, model in models.items():
         mine = {k.removeprefix("module."): p for k, p in model.named_parameters()}
         calls = getattr(model, "allreduce_calls", None)
-        records.write("equivalence", version=name, steps=steps,
-                      params_vs_single_process=dp_vs_ddp.largest_gap(mine, reference),
-                      params_vs_torch_ddp=dp_vs_ddp.largest_gap(mine, torch_ddp),
-                      grads_vs_single_process=dp_vs_ddp.largest_gap(dp_vs_ddp.gradients(model), dp_vs_ddp.gradients(single)),
-                      grads_vs_torch_ddp=dp_vs_ddp.largest_gap(dp_vs_ddp.gradients(model), dp_vs_ddp.gradients(models["torch DDP"])),
-                      allreduce_calls_per_step=None if calls is None else calls // steps,
-                      parameters=len(mine), buckets=len(getattr(model, "buckets", [])) or None)
+        records.write(Equivalence(
+            version=name, label=VERSIONS[name], steps=steps,
+            params_vs_single_process=dp_vs_ddp.largest_gap(mine, reference),
+            params_vs_torch_ddp=dp_vs_ddp.largest_gap(mine, torch_ddp),
+            grads_vs_single_process=dp_vs_ddp.largest_gap(dp_vs_ddp.gradients(model), dp_vs_ddp.gradients(single)),
+            grads_vs_torch_ddp=dp_vs_ddp.largest_gap(dp_vs_ddp.gradients(model),
+                                                     dp_vs_ddp.gradients(models["torch_ddp"])),
+            allreduce_calls_per_step=None if calls is None else calls // steps,
+            parameters=len(mine), buckets=len(getattr(model, "buckets", [])) or None))
 
 
 def bucket_sweep(ctx, records, width: int, batch: int, caps_mb: list[float], repeats: int) -> None:
@@ -73,38 +214,18 @@ def bucket_sweep(ctx, records, width: int, batch: int, caps_mb: list[float], rep
         counter = ddp_internals.CommCounter()
         model.register_comm_hook(counter, ddp_internals.counting_hook())
         seconds, calls = [], []
-        for step in range(repeats + 1):  # step 0: one bucket, then DDP rebuilds them in gradient-ready order
-            images, labels = rank_batch(ctx.rank, batch, width, step, ctx.device)
+        for index in range(repeats + 1):  # step 0: one bucket, then DDP rebuilds them in gradient-ready order
+            images, labels = rank_batch(ctx.rank, batch, width, index, ctx.device)
             counter.reset()
-            with runs.timed(ctx.device) as elapsed:
-                ddp_internals.one_step(model, images, labels)
+            with timed(ctx.device) as elapsed:
+                step(model, None, images, labels)
             seconds.append(elapsed["s"])
             calls.append(counter.calls)
         first_cap, cap_bytes = ddp_internals.torch_ddp_caps(cap)
-        records.write("buckets", cap_mb=cap, allreduce_calls=calls[-1], calls_per_step=calls,
-                      step_s=statistics.median(seconds[1:]), bytes_per_step=counter.bytes,
-                      gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
-                      predicted_buckets=len(handmade_ddp.assign_buckets(parameters, cap_bytes, first_cap)))
-
-
-def accumulate(model, batches, counter, forward_inside: bool = True) -> list[int]:
-    """Gradient accumulation over micro-batches, no_sync on all but the last; all-reduces per micro-step.
-
-    DDP decides in forward() whether the coming backward synchronises, so forward must run inside
-    no_sync() too; with forward_inside=False only backward is inside, and every micro-step all-reduces.
-    """
-    model.zero_grad(set_to_none=True)
-    calls = []
-    for index, (images, labels) in enumerate(batches):
-        counter.reset()
-        last = index == len(batches) - 1
-        skip = contextlib.nullcontext() if last else model.no_sync()
-        with skip if forward_inside else contextlib.nullcontext():
-            loss = F.cross_entropy(model(images), labels) / len(batches)
-        with contextlib.nullcontext() if forward_inside else skip:
-            loss.backward()
-        calls.append(counter.calls)
-    return calls
+        records.write(BucketSweep(cap_mb=cap, allreduce_calls=calls[-1], calls_per_step=calls,
+                                  step_s=statistics.median(seconds[1:]), bytes_per_step=counter.bytes,
+                                  gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
+                                  predicted_buckets=len(handmade_ddp.assign_buckets(parameters, cap_bytes, first_cap))))
 
 
 def accumulation(ctx, records, width: int, batch: int, micro_steps: int, bucket_cap_mb: float = 0.1) -> None:
@@ -112,27 +233,30 @@ def accumulation(ctx, records, width: int, batch: int, micro_steps: int, bucket_
     model = DDP(ddp_internals.layered_model(width=width).to(ctx.device), bucket_cap_mb=bucket_cap_mb)
     counter = ddp_internals.CommCounter()
     model.register_comm_hook(counter, ddp_internals.counting_hook())
-    batches = [rank_batch(ctx.rank, max(1, batch // micro_steps), width, step, ctx.device)
-               for step in range(micro_steps)]
-    ddp_internals.one_step(model, *batches[0])  # let DDP rebuild its buckets first
-    calls_wrong = accumulate(model, batches, counter, forward_inside=False)
-    calls = accumulate(model, batches, counter, forward_inside=True)
+    batches = [rank_batch(ctx.rank, max(1, batch // micro_steps), width, index, ctx.device)
+               for index in range(micro_steps)]
+    step(model, None, *batches[0])  # let DDP rebuild its buckets first
+    calls_wrong = ddp_internals.accumulate(model, batches, counter, forward_inside=False)
+    calls = ddp_internals.accumulate(model, batches, counter, forward_inside=True)
     accumulated = dp_vs_ddp.gradients(model)
     large = copy.deepcopy(model)
-    ddp_internals.one_step(large, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
-    records.write("no_sync", micro_steps=micro_steps, calls_per_micro_step=calls,
-                  calls_with_forward_outside_no_sync=calls_wrong, buckets_per_step=counter.calls,
-                  vs_large_batch=dp_vs_ddp.largest_gap(accumulated, dp_vs_ddp.gradients(large)))
+    step(large, None, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
+    records.write(NoSync(micro_steps=micro_steps, calls_per_micro_step=calls,
+                         calls_with_forward_outside_no_sync=calls_wrong, buckets_per_step=counter.calls,
+                         vs_large_batch=dp_vs_ddp.largest_gap(accumulated, dp_vs_ddp.gradients(large))))
 
 
 def settings(ctx, records, width: int, batch: int) -> None:
     """Unused parameters (and static_graph), gradient_as_bucket_view, compression hooks."""
     images, labels = rank_batch(ctx.rank, batch, 16, 0, ctx.device)
-    records.write("unused_parameters", **ddp_internals.unused_parameter_outcomes(images, labels))
+    for outcome in ddp_internals.unused_parameter_outcomes(images, labels):
+        records.write(UnusedParameters(**outcome))
     images, labels = rank_batch(ctx.rank, batch, width, 0, ctx.device)
     make = lambda: ddp_internals.layered_model(width=width).to(ctx.device)
-    records.write("bucket_view", **ddp_internals.bucket_view_comparison(make, images, labels, bucket_cap_mb=0.1))
-    records.write("compression", **ddp_internals.compression_comparison(make, images, labels))
+    for row in ddp_internals.bucket_view_comparison(make, images, labels, bucket_cap_mb=0.1):
+        records.write(BucketView(**row))
+    for row in ddp_internals.compression_comparison(make, images, labels):
+        records.write(Compression(**row))
 
 
 def overlap(ctx, records, width: int, batch: int, run_dir: str, bucket_cap_mb: float = 0.25) -> None:
@@ -140,60 +264,38 @@ def overlap(ctx, records, width: int, batch: int, run_dir: str, bucket_cap_mb: f
     make = lambda: ddp_internals.layered_model(layers=8, width=2 * width).to(ctx.device)
     model = DDP(make(), bucket_cap_mb=bucket_cap_mb)
     images, labels = rank_batch(ctx.rank, batch, 2 * width, 0, ctx.device)
-    ddp_internals.one_step(model, images, labels)  # warm-up and bucket rebuild
+    step(model, None, images, labels)  # warm-up and bucket rebuild
     trace = os.path.join(run_dir, f"rank{ctx.rank}.pt.trace.json")
-    records.write("profile", trace=trace, spans=ddp_internals.profiled_step(model, images, labels, trace))
+    records.write(ProfiledStep(trace=trace, spans=ddp_internals.profiled_step(model, images, labels, trace)))
     handmade = handmade_ddp.BucketedDDP(make(), bucket_cap_mb=bucket_cap_mb)
     for _ in range(2):  # the second step is recorded: nothing left to warm up
-        ddp_internals.one_step(handmade, images, labels)
+        step(handmade, None, images, labels)
         handmade.finish_gradient_sync()
-    origin = handmade.events[0][1]
-    records.write("handmade_schedule", buckets=len(handmade.buckets),
-                  events=[(name, 1000 * (t - origin)) for name, t in handmade.events])
+    origin = handmade.events[0].time
+    records.write(HandmadeSchedule(buckets=len(handmade.buckets), events=[
+        {"kind": event.kind, "index": event.index, "ms": 1000 * (event.time - origin)} for event in handmade.events]))
 
 
-def ddp_internals(ctx, records, args) -> dict:
-    profile = resolve_profile(args)
-    width = args.width or layer_width(profile)
-    batch = max(1, profile.global_batch // ctx.world_size)  # samples per rank per step
+def ddp_internals_lab(ctx, records, options: Options) -> dict:
+    profile = resolve_profile(options)
+    width = options.width or layer_width(profile)
+    batch = per_rank_batch(options.global_batch, profile, ctx.world_size)
     parts = {
         "equivalence": lambda: equivalence(ctx, records, width, batch),
-        "buckets": lambda: bucket_sweep(ctx, records, width, batch, args.caps_mb, profile.repeats),
-        "no_sync": lambda: accumulation(ctx, records, width, batch, args.micro_steps),
+        "buckets": lambda: bucket_sweep(ctx, records, width, batch, list(options.caps_mb), profile.repeats),
+        "no_sync": lambda: accumulation(ctx, records, width, batch, options.micro_steps),
         "settings": lambda: settings(ctx, records, width, batch),
         "overlap": lambda: overlap(ctx, records, width, batch, str(records.run_dir)),
     }
-    for done, part in enumerate(args.parts, start=1):
+    for done, part in enumerate(options.parts, start=1):
         parts[part]()
-        records.progress(done, len(args.parts))
-    return {"profile": profile.name, "width": width, "batch_per_rank": batch, "caps_mb": args.caps_mb,
-            "micro_steps": args.micro_steps, "parts": args.parts}
-
-
-def launch_ddp_internals(nproc: int, caps_mb=(0.05, 0.1, 0.25, 1.0, 25.0), parts=PARTS, width: int = 0,
-                         timeout: float = 300.0):
-    """Run this lab from a notebook (the default cell and the controls both call this).
-
-    caps_mb: bucket_cap_mb values, or a string of them ("0.5 2 8"); parts: which experiments to run;
-    width: the layered model's width (0: from the profile).
-    """
-    from labsrc import launch
-    if isinstance(caps_mb, str):
-        caps_mb = tuple(float(c) for c in caps_mb.replace(",", " ").split())
-    if isinstance(parts, str):
-        parts = tuple(parts.replace(",", " ").split())
-    return launch.run("ddp_internals", nproc=nproc, timeout=timeout,
-                      args=["--width", width, "--caps-mb", *caps_mb, "--parts", *parts])
+        records.progress(done, len(options.parts))
+    return {"profile": profile.name, "width": width, "batch_per_rank": batch, "caps_mb": list(options.caps_mb),
+            "micro_steps": options.micro_steps, "parts": list(options.parts)}
 
 
 def main(argv=None):
-    parser = base_parser(__doc__.splitlines()[0])
-    parser.add_argument("--width", type=int, default=0, help="Linear width of the layered model (0: 8 x image_size)")
-    parser.add_argument("--caps-mb", type=float, nargs="+", default=[0.05, 0.1, 0.25, 1.0, 25.0],
-                        help="bucket_cap_mb values to sweep")
-    parser.add_argument("--micro-steps", type=int, default=4, help="micro-batches per optimizer step with no_sync")
-    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS), help="experiments to run")
-    return run_lab("ddp_internals", ddp_internals, parser.parse_args(argv))
+    return run_lab("ddp_internals", ddp_internals_lab, Options, argv)
 
 
 if __name__ == "__main__":

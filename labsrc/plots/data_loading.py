@@ -1,6 +1,8 @@
 """Figures of notebook 03 (data loading), drawn from the data_loading lab's records."""
 from __future__ import annotations
 
+from labsrc import data_loading
+from labsrc.labs.data_loading import Partition, Throughput
 from labsrc.plots import new_axes
 
 
@@ -8,10 +10,10 @@ def partitions(result, set_epoch: bool = True, ax=None):
     """Which sample each rank reads at each position, one row per (epoch, rank), with or without set_epoch."""
     import numpy as np
     rows, labels = [], []
-    chosen = [r for r in result.of_kind("partition") if r["set_epoch"] == set_epoch]
-    for record in sorted(chosen, key=lambda r: r["rank"]):
-        for epoch, order in enumerate(record["epochs"]):
-            rows.append((epoch, record["rank"], order))
+    chosen = [r for r in result.of(Partition) if r.set_epoch == set_epoch]
+    for record in sorted(chosen, key=lambda r: r.rank):
+        for epoch, order in enumerate(record.epochs):
+            rows.append((epoch, record.rank, order))
     rows.sort()
     width = max(len(order) for _, _, order in rows)
     grid = np.full((len(rows), width), -1)
@@ -31,18 +33,17 @@ def partitions(result, set_epoch: bool = True, ax=None):
 
 def step_split(result, rank: int = 0, ax=None):
     """Per arm: milliseconds waiting for data and computing, stacked; the longer part bounds the step."""
-    rows = result.of_kind("throughput", rank=rank)
+    rows = result.of(Throughput, rank=rank)
     ax = new_axes(f"Where a step's time goes (rank {rank})", "ms per step", "", ax, figsize=(7, 0.6 * len(rows) + 1))
-    names = [r["arm"] for r in rows]
-    data_ms = [1000 * r["data_s"] for r in rows]
-    compute_ms = [1000 * r["compute_s"] for r in rows]
-    ax.barh(names, data_ms, color="#c2410c", label="waiting for data")
-    ax.barh(names, compute_ms, left=data_ms, color="#2563eb", label="forward + backward + step")
+    data_ms = [1000 * r.data_s for r in rows]
+    compute_ms = [1000 * r.compute_s for r in rows]
+    ax.barh([r.label for r in rows], data_ms, color="#c2410c", label="waiting for data")
+    ax.barh([r.label for r in rows], compute_ms, left=data_ms, color="#2563eb", label="forward + backward + step")
     for index, row in enumerate(rows):
-        bound = "data-bound" if row["data_s"] > row["compute_s"] else "compute-bound"
+        bound = "data-bound" if data_loading.data_bound(row.data_s, row.compute_s) else "compute-bound"
         ax.text(data_ms[index] + compute_ms[index], index, f" {bound}", va="center", fontsize=8)
-        floor_ms = 1000 * row["batch"] * row["transform_cost_s"] / max(1, row["num_workers"])
-        if floor_ms > 0:  # what the slow transform costs per batch, shared by the workers
+        floor_ms = 1000 * data_loading.transform_floor_s(row.batch, row.transform_cost_s, row.num_workers)
+        if floor_ms > 0:
             ax.plot([floor_ms, floor_ms], [index - 0.4, index + 0.4], color="black", linestyle="--")
     ax.plot([], [], color="black", linestyle="--", label="batch x cost / workers")
     ax.invert_yaxis()

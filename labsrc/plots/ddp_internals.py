@@ -1,18 +1,20 @@
 """Figures of notebook 04 (DDP internals), drawn from the ddp_internals lab's records."""
 from __future__ import annotations
 
+from labsrc.ddp_internals import SPAN_LABELS
+from labsrc.labs.ddp_internals import BucketSweep, HandmadeSchedule, ProfiledStep
 from labsrc.plots import gantt, new_axes
 
 
 def bucket_sweep(result, ax=None):
     """All-reduce calls per step (bars) and step time (line) against bucket_cap_mb."""
-    rows = sorted(result.of_kind("buckets", rank=0), key=lambda r: r["cap_mb"])
+    rows = sorted(result.of(BucketSweep, rank=0), key=lambda r: r.cap_mb)
     ax = new_axes("torch DDP: bucket_cap_mb swept", "bucket_cap_mb", "all-reduce calls per step", ax)
-    labels = [f"{r['cap_mb']:g}" for r in rows]
-    ax.bar(labels, [r["allreduce_calls"] for r in rows], color="#c2410c", label="all-reduce calls (comm hook count)")
-    ax.plot(labels, [r["predicted_buckets"] for r in rows], "k^", label="buckets predicted from parameter sizes")
+    ticks = [f"{r.cap_mb:g}" for r in rows]
+    ax.bar(ticks, [r.allreduce_calls for r in rows], color="#c2410c", label="all-reduce calls (comm hook count)")
+    ax.plot(ticks, [r.predicted_buckets for r in rows], "k^", label="buckets predicted from parameter sizes")
     twin = ax.twinx()
-    twin.plot(labels, [1000 * r["step_s"] for r in rows], "o-", color="#2563eb", label="step time")
+    twin.plot(ticks, [1000 * r.step_s for r in rows], "o-", color="#2563eb", label="step time")
     twin.set_ylabel("step time (ms, median)")
     ax.legend(loc="upper right", fontsize=8)
     twin.legend(loc="center right", fontsize=8)
@@ -21,43 +23,19 @@ def bucket_sweep(result, ax=None):
 
 def profiler_timeline(result, rank: int = 0, ax=None):
     """The profiled DDP step: backward ops, all-reduces launched and running, on one timeline (ms)."""
-    spans = result.of_kind("profile", rank=rank)[0]["spans"]
-    lanes = [{"lane": s["name"], "name": s["name"], "start": s["start"], "end": max(s["end"], s["start"] + 0.02)}
-             for s in spans]
+    spans = result.of(ProfiledStep, rank=rank)[0].spans
+    lanes = [{"lane": SPAN_LABELS[s["kind"]], "name": SPAN_LABELS[s["kind"]], "start": s["start"],
+              "end": max(s["end"], s["start"] + 0.02)} for s in spans]
     return gantt(lanes, f"One DDP step (rank {rank}, torch.profiler): all-reduces during backward", ax=ax)
-
-
-def covered_ms(intervals: list[tuple[float, float]], until: float = float("inf")) -> float:
-    """Length of the union of (start, end) intervals up to `until`: overlapping ones counted once."""
-    total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        start, end = max(start, reach), min(end, until)
-        if end > start:
-            total += end - start
-        reach = max(reach, end)
-    return total
-
-
-def overlap_ms(spans: list[dict]) -> dict:
-    """When backward ends, when all-reduces are launched, and how long some all-reduce ran (in all, and during backward).
-
-    gloo runs all-reduces on two threads, so running spans can overlap each other: their union is measured.
-    """
-    backward_end = max(s["end"] for s in spans if s["name"] == "backward op")
-    launched = [s["start"] for s in spans if s["name"] == "all-reduce launched"]
-    running = [(s["start"], s["end"]) for s in spans if s["name"] == "all-reduce running"]
-    return {"backward_end": backward_end, "first_launch": min(launched),
-            "launched_during_backward": sum(t < backward_end for t in launched), "launched": len(launched),
-            "running_ms": covered_ms(running), "running_ms_during_backward": covered_ms(running, backward_end)}
 
 
 def handmade_schedule(result, rank: int = 0, ax=None):
     """The handmade bucketed DDP's schedule: when each gradient hook fired and each bucket's all-reduce began."""
-    events = result.of_kind("handmade_schedule", rank=rank)[0]["events"]
+    events = result.of(HandmadeSchedule, rank=rank)[0].events
     ax = new_axes("Handmade buckets: all-reduces launched while backward runs", "ms from the first gradient", "", ax,
                   figsize=(8, 2.2))
-    hooks = [t for name, t in events if name.startswith("hook")]
-    launches = [t for name, t in events if name.startswith("all_reduce")]
+    hooks = [e["ms"] for e in events if e["kind"] == "hook"]
+    launches = [e["ms"] for e in events if e["kind"] == "all_reduce"]
     ax.plot(hooks, [1] * len(hooks), "|", markersize=18, color="#2563eb", label="gradient ready (hook)")
     ax.plot(launches, [0] * len(launches), "v", markersize=10, color="#c2410c", label="bucket all-reduce launched")
     ax.set_yticks([0, 1], ["all-reduce", "backward"])
