@@ -14,6 +14,7 @@ from labsrc.core.world import RankContext, RequestError
 from labsrc.labs import data_loading as data_loading_lab
 from labsrc.labs.data_loading import Joined, NoJoin, Options, Partition, Skipped, Throughput
 from labsrc.core.forked import run_ranks
+from labsrc.core.plan import split_global_batch
 
 CPU = torch.device("cpu")
 
@@ -126,10 +127,10 @@ def test_options_round_trip_through_the_command_line():
 
 def test_global_batch_must_split_over_the_ranks():
     ci = data_loading_lab.resolve_profile(Options.make(profile="ci"))
-    assert data_loading_lab.per_rank_batch(96, ci, 4) == 24
-    assert data_loading_lab.per_rank_batch(0, ci, 3) == ci.global_batch // 3, "the profile's batch, rounded down"
+    assert split_global_batch(96, ci, 4) // 4 == 24
+    assert split_global_batch(0, ci, 3) // 3 == ci.global_batch // 3, "the profile's batch, rounded down"
     with pytest.raises(RequestError, match="multiple of 3"):
-        data_loading_lab.per_rank_batch(64, ci, 3)
+        split_global_batch(64, ci, 3)
 
 
 def test_arms_are_found_by_their_keys_not_their_labels():

@@ -167,13 +167,14 @@ def test_dataparallel_shows_what_the_module_saw():
 def test_options_refuse_a_negative_batch_and_a_batch_that_does_not_split_over_the_ranks():
     from labsrc.core.profiles import PROFILES
     from labsrc.core.world import RequestError
-    from labsrc.labs.dp_vs_ddp import Options, global_batch_for
+    from labsrc.core.plan import split_global_batch
+    from labsrc.labs.dp_vs_ddp import Options
     with pytest.raises(RequestError, match="global_batch"):
         Options.make(global_batch=-4)
     with pytest.raises(RequestError, match="choose a multiple of 3, e.g. 30 or 33"):
-        global_batch_for(Options.make(global_batch=32), PROFILES["ci"], 3)
-    assert global_batch_for(Options.make(global_batch=33), PROFILES["ci"], 3) == 33
-    assert global_batch_for(Options.make(), PROFILES["ci"], 3) == 63  # the profile's 64, rounded down
+        split_global_batch(32, PROFILES["ci"], 3)
+    assert split_global_batch(33, PROFILES["ci"], 3) == 33
+    assert split_global_batch(0, PROFILES["ci"], 3) == 63  # the profile's 64, rounded down
 
 
 def _step(variant, step, loss, rank):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from labsrc.core.hardware import Hardware, detect
 from labsrc.core.profiles import Profile, pick_profile
-from labsrc.core.world import choose_backend, max_cpu_ranks
+from labsrc.core.world import RequestError, choose_backend, max_cpu_ranks
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,20 @@ class Plan:
         return self.device == "cuda" and self.backend == "gloo"
 
 
+def split_global_batch(requested: int, profile: Profile, world_size: int) -> int:
+    """The global batch a run uses: `requested`, which must split over the ranks, or (0) the profile's rounded down.
+
+    Raises RequestError naming two batches that do split.
+    """
+    if not requested:
+        return max(world_size, profile.global_batch - profile.global_batch % world_size)
+    if requested % world_size:
+        lower = max(world_size, requested - requested % world_size)
+        raise RequestError(f"global_batch {requested} does not split over {world_size} ranks: "
+                           f"choose a multiple of {world_size}, e.g. {lower} or {lower + world_size}.")
+    return requested
+
+
 def make_plan(hardware: Hardware | None = None, profile: Profile | None = None, min_ranks: int = 2) -> Plan:
     """The plan for a lesson that needs at least min_ranks ranks (2 for every multi-rank lesson).
 
@@ -56,7 +70,7 @@ def make_plan(hardware: Hardware | None = None, profile: Profile | None = None, 
         world_size = min(max(min_ranks, profile.world_size or 2), max_cpu_ranks(hardware.cpus))
         reason = f"{world_size} gloo ranks on {hardware.cpus} CPU core(s)"
     backend, device = choose_backend(world_size, hardware.gpus)
-    global_batch = max(world_size, profile.global_batch - profile.global_batch % world_size)
+    global_batch = split_global_batch(0, profile, world_size)
     if global_batch != profile.global_batch:
         reason += f"; global batch {profile.global_batch} rounded to {global_batch} to split evenly"
     return Plan(profile, world_size, backend, device, global_batch, reason)

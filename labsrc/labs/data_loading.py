@@ -13,6 +13,7 @@ import torch
 from labsrc import data_loading
 from labsrc.core.lab import resolve_profile, run_lab
 from labsrc.core.options import LabOptions, positive
+from labsrc.core.plan import split_global_batch
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
 from labsrc.training import data
@@ -165,19 +166,9 @@ def throughput_sweep(ctx, records, profile, batch: int, cost_s: float, workers: 
     records.progress(len(arms) + 1, len(arms) + 1)
 
 
-def per_rank_batch(global_batch: int, profile, world_size: int) -> int:
-    """Samples per rank per step: global_batch / world_size, which must divide; 0 takes the profile's, rounded down."""
-    if not global_batch:
-        return max(1, profile.global_batch // world_size)
-    if global_batch % world_size:
-        raise RequestError(f"global_batch {global_batch} does not split over {world_size} ranks: "
-                           f"use a multiple of {world_size} (labsrc.core.plan.make_plan gives one).")
-    return global_batch // world_size
-
-
 def data_loading_lab(ctx, records, options: Options) -> dict:
     profile = resolve_profile(options)
-    batch = per_rank_batch(options.global_batch, profile, ctx.world_size)
+    batch = split_global_batch(options.global_batch, profile, ctx.world_size) // ctx.world_size
     for set_epoch in (True, False):
         orders = data_loading.rank_epoch_orders(options.dataset_size, ctx.rank, ctx.world_size, options.epochs,
                                                 set_epoch=set_epoch, seed=options.seed)

@@ -19,7 +19,7 @@ from labsrc.core.lab import resolve_profile, run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
-from labsrc.labs.data_loading import per_rank_batch
+from labsrc.core.plan import split_global_batch
 from labsrc.training.loop import step
 from labsrc.training.timing import timed
 
@@ -279,7 +279,7 @@ def overlap(ctx, records, width: int, batch: int, run_dir: str, bucket_cap_mb: f
 def ddp_internals_lab(ctx, records, options: Options) -> dict:
     profile = resolve_profile(options)
     width = options.width or layer_width(profile)
-    batch = per_rank_batch(options.global_batch, profile, ctx.world_size)
+    batch = split_global_batch(options.global_batch, profile, ctx.world_size) // ctx.world_size
     parts = {
         "equivalence": lambda: equivalence(ctx, records, width, batch),
         "buckets": lambda: bucket_sweep(ctx, records, width, batch, list(options.caps_mb), profile.repeats),

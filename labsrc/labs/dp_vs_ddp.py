@@ -17,8 +17,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from labsrc import dp_vs_ddp
 from labsrc.core.lab import resolve_profile, run_lab
 from labsrc.core.options import LabOptions, positive
+from labsrc.core.plan import split_global_batch
 from labsrc.core.runs import Record
-from labsrc.core.world import RequestError
 from labsrc.training import data
 from labsrc.training.loop import step
 from labsrc.training.models import build_model
@@ -247,20 +247,9 @@ def time_steps(ctx, records, profile, dataset, seed: int) -> None:
             records.write(StepTiming(profile.model, index, forward["s"], backward["s"], local["s"], update["s"]))
 
 
-def global_batch_for(options: Options, profile, world_size: int) -> int:
-    """The global batch to use: the option's, which must split over the ranks, else the profile's rounded down."""
-    if not options.global_batch:
-        return max(world_size, profile.global_batch - profile.global_batch % world_size)
-    if options.global_batch % world_size:
-        lower = max(world_size, options.global_batch - options.global_batch % world_size)
-        raise RequestError(f"global_batch {options.global_batch} does not split over {world_size} ranks: "
-                           f"choose a multiple of {world_size}, e.g. {lower} or {lower + world_size}.")
-    return options.global_batch
-
-
 def experiments(ctx, records, options: Options) -> dict:
     profile = resolve_profile(options)
-    profile = profile.replace(global_batch=global_batch_for(options, profile, ctx.world_size))
+    profile = profile.replace(global_batch=split_global_batch(options.global_batch, profile, ctx.world_size))
     images, labels = data.synthetic_images(profile.global_batch, profile.image_size, seed=options.seed).tensors
     construction_broadcast(ctx, records, options.seed)
     gradient_equivalence(ctx, records, images, labels, options.seed)
