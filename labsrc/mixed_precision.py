@@ -8,7 +8,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from labsrc.training import loop
-from labsrc.training.loop import autocast, set_tf32
+from labsrc.training.loop import autocast
 from labsrc.training.timing import timed
 
 FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -204,17 +204,6 @@ def saved_activation_bytes(model: nn.Module, images: torch.Tensor, labels: torch
     return {**by_dtype, "total": sum(by_dtype.values()), "elements": elements}
 
 
-@contextlib.contextmanager
-def tf32_setting(enabled: bool):
-    """TF32 matmuls and convolutions on (or off) inside the block; the previous settings come back after."""
-    previous = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    set_tf32(enabled)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
-
-
 def mode_cost(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mode: str, steps: int,
               growth_interval: int = 2000) -> dict:
     """Train model on one batch for 1 + steps steps (the first a warm-up) with the course's step in this mode.
@@ -231,7 +220,7 @@ def mode_cost(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mode
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     seconds, losses, scales = [], [], []
-    with tf32_setting(mode == "tf32"):
+    with loop.tf32(mode == "tf32"):
         for _ in range(steps + 1):
             if scaler is not None:
                 scales.append(scaler.get_scale())

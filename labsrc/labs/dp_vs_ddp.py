@@ -20,7 +20,7 @@ from labsrc.core.options import LabOptions, positive
 from labsrc.core.plan import split_global_batch
 from labsrc.core.runs import Record
 from labsrc.training import data
-from labsrc.training.loop import step
+from labsrc.training.loop import step, tf32
 from labsrc.training.models import build_model
 from labsrc.training.timing import timed
 
@@ -273,12 +273,8 @@ def experiments(ctx, records, options: Options) -> dict:
 
 def dp_vs_ddp_lab(ctx, records, options: Options) -> dict:
     """The experiments in plain float32 on GPUs too (about the math, not TF32 rounding); TF32 restored after."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
+    with tf32(False):
         return experiments(ctx, records, options)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def main(argv=None):

@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from labsrc.core.world import RankContext
-from labsrc.training.loop import autocast, set_tf32
+from labsrc.training.loop import autocast, tf32
 from labsrc.training.timing import timed
 
 # Dense peak FLOP/s (no sparsity: the datasheets' tensor-core figures "with sparsity" halved) per device and
@@ -109,10 +109,8 @@ def timed_steps(model, batches, optimizer, device, precision: str, steps: int, w
     (a separate pass every step). TF32 is set for the run and restored after it.
     """
     scaler = torch.amp.GradScaler(device.type, enabled=precision == "fp16")
-    previous_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    set_tf32(precision == "tf32")
     rows = []
-    try:
+    with tf32(precision == "tf32"):
         for step in range(warmup + steps):
             row = _timed_phases(model, batches, optimizer, device, precision, scaler, memory_format)
             if ddp is not None:
@@ -121,8 +119,6 @@ def timed_steps(model, batches, optimizer, device, precision: str, steps: int, w
             row.pop("batch", None)
             if step >= warmup:
                 rows.append(row)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous_tf32
     return rows
 
 

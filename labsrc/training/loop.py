@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, ClassVar, Iterator
 
@@ -50,10 +51,18 @@ def autocast(device: torch.device, precision: str):
     return torch.amp.autocast(device_type=device.type, dtype=dtype, enabled=dtype is not None)
 
 
-def set_tf32(enabled: bool) -> None:
-    """TF32 for float32 matmuls and convolutions (only matters on Ampere and newer GPUs)."""
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    torch.backends.cudnn.allow_tf32 = enabled
+@contextmanager
+def tf32(enabled: bool):
+    """TF32 for float32 matmuls and convolutions on (or off) inside the block, the previous settings restored after.
+
+    Only Ampere and newer NVIDIA GPUs have TF32; elsewhere the flags change nothing.
+    """
+    previous = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
 
 
 def step(model: nn.Module, optimizer: torch.optim.Optimizer | None, images: torch.Tensor, labels: torch.Tensor,
@@ -98,10 +107,14 @@ def train(model: nn.Module, batches: Iterator, ctx, cfg: TrainConfig, records=No
 
     records gets one "step" record per step (this rank's loss on its own batch) and progress records.
     Losses stay on the device and are fetched every cfg.log_every steps, so logging adds one sync per
-    log point and none in between.
+    log point and none in between. TF32 is on for precision "tf32" only, and restored after.
     """
-    set_tf32(cfg.precision == "tf32")
-    optimizer = optimizer or make_optimizer(model, cfg)
+    with tf32(cfg.precision == "tf32"):
+        return _train_steps(model, batches, ctx, cfg, records, optimizer or make_optimizer(model, cfg), loss_fn)
+
+
+def _train_steps(model, batches, ctx, cfg: TrainConfig, records, optimizer, loss_fn) -> dict:
+    """train()'s loop."""
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=cfg.precision == "fp16")
     scheduler = None
     if cfg.warmup_steps > 0:
