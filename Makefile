@@ -17,9 +17,19 @@ $(STAMP): requirements.txt pyproject.toml
 
 setup: $(STAMP)
 
+# JupyterLab refuses root without --allow-root (many GPU servers and containers run as root); a headless
+# server (an ssh session, or Linux without a display) gets no browser, and the ssh tunnel line to reach it.
+LAB_PORT ?= 8888
+LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
+LAB_HEADLESS := $(or $(SSH_CONNECTION),$(if $(or $(DISPLAY),$(WAYLAND_DISPLAY),$(filter Darwin,$(shell uname -s))),,yes))
+LAB_BROWSER_FLAG := $(if $(LAB_HEADLESS),--no-browser)
+
 lab: setup
 	$(PYTHON) -m labsrc.doctor || true
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+	@echo "JupyterLab listens on 127.0.0.1:$(LAB_PORT) (LAB_PORT=... to change it; if taken, Jupyter picks the next free port)."
+	@echo "On a remote server, run on your own computer:  ssh -N -L $(LAB_PORT):127.0.0.1:$(LAB_PORT) $${USER:-you}@$$(hostname -f 2>/dev/null || hostname)"
+	@echo "then open the http://127.0.0.1:$(LAB_PORT)/lab?token=... address Jupyter prints below."
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --port=$(LAB_PORT) $(LAB_ROOT_FLAG) $(LAB_BROWSER_FLAG)
 
 test: setup
 	LABSRC_PROFILE=ci LABSRC_HEADLESS=1 MPLBACKEND=Agg $(PYTHON) -m pytest tests notebooks \

@@ -1,6 +1,69 @@
-"""`python -m labsrc.launch`: run a lab, a module or a script on n ranks (the launcher lives in labsrc.core.launch)."""
-from labsrc.core.launch import LaunchError, LaunchTimeout, RankFailed, RunResult, main, run  # noqa: F401
+"""`python -m labsrc.launch`: run a course lab, a module or a script on n ranks (the launcher: labsrc.core.launch).
+
+    python -m labsrc.launch --nproc 2 setup -- --hold-s 1
+    python -m labsrc.launch --nproc 2 path/to/my_ddp.py -- --epochs 1
+    python -m labsrc.launch --nproc 1 --nnodes 1:2 --max-restarts 1 setup
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from labsrc.core.launch import (Launch, LaunchError, LaunchTimeout, RankFailed, RunResult,  # noqa: F401
+                                end_run, processes_of_run, run, start)
+from labsrc.core.world import RequestError
+
+
+def parser() -> argparse.ArgumentParser:
+    described = argparse.ArgumentParser(
+        prog="python -m labsrc.launch", description=__doc__.splitlines()[0],
+        epilog="Everything after -- goes to the target. Exit status: 0 done, 1 a rank failed, "
+               "2 a bad request (nothing started), 124 timeout, 130 interrupted.")
+    described.add_argument("target", help="a course lab (setup, dp_vs_ddp, ...), a dotted module (pkg.mod) "
+                                          "or a script path (my_ddp.py)")
+    described.add_argument("--nproc", type=int, default=2, help="ranks per node (default 2)")
+    described.add_argument("--nnodes", default="1", help="simulated nodes on this machine: N, or an elastic "
+                                                         "range MIN:MAX (default 1)")
+    described.add_argument("--max-restarts", type=int, default=0, help="torchrun restarts after a failure "
+                                                                       "(default 0)")
+    described.add_argument("--timeout", type=float, default=300.0, help="seconds before the run is ended "
+                                                                        "(default 300)")
+    described.add_argument("--backend", choices=["nccl", "gloo"], default=None)
+    described.add_argument("--profile", choices=["ci", "cpu", "gpu"], default=None)
+    described.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
+    return described
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The shell launcher; returns its exit status (2 for any bad request, before anything starts)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    target_args: list[str] = []
+    if "--" in argv:
+        split = argv.index("--")
+        argv, target_args = argv[:split], argv[split + 1:]
+    try:
+        options = parser().parse_args(argv)
+    except SystemExit as exc:  # argparse has printed the usage and the reason
+        return int(exc.code or 0)
+    try:
+        result = run(options.target, options.nproc, target_args, options.timeout, backend=options.backend,
+                     profile=options.profile, port=options.port, max_restarts=options.max_restarts,
+                     nnodes=options.nnodes)
+    except RequestError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except LaunchTimeout as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 124
+    except LaunchError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(f"{result.lab}: {result.nproc} rank(s) per node finished in {result.wall_time_s:.1f} s "
+          f"({result.attempts} attempt(s)); records in {result.run_dir}")
+    return 0
+
 
 if __name__ == "__main__":
-    import sys
     sys.exit(main())

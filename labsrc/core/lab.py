@@ -16,37 +16,8 @@ from labsrc.core import runs
 from labsrc.core import world as labdist
 from labsrc.core.options import LabOptions
 from labsrc.core.profiles import PROFILES, Profile, current_profile
+from labsrc.core.rank_output import RankPrefixed
 
-
-class RankPrefixed:
-    """Wraps a text stream: every line a rank prints starts with [rank<r>] and goes out whole.
-
-    Text is held until its line ends, then written in one call, so lines from ranks sharing a pipe never
-    run together (a write of up to PIPE_BUF bytes to a pipe is atomic).
-    """
-
-    def __init__(self, stream, rank: int):
-        self._stream = stream
-        self._prefix = f"[rank{rank}] "
-        self._pending = ""
-
-    def write(self, text: str) -> int:
-        self._pending += text
-        if "\n" in self._pending:
-            complete, _, self._pending = self._pending.rpartition("\n")
-            lines = [line if line.startswith(self._prefix.rstrip()) else self._prefix + line
-                     for line in complete.split("\n")]
-            self._stream.write("\n".join(lines) + "\n")
-            self._stream.flush()
-        return len(text)
-
-    def flush(self) -> None:
-        if self._pending:
-            self.write("\n")
-        self._stream.flush()
-
-    def __getattr__(self, name):
-        return getattr(self._stream, name)
 
 
 def resolve_profile(options: LabOptions) -> Profile:
@@ -90,6 +61,7 @@ def run_lab(name: str, body: LabBody, options_class: type[LabOptions] = LabOptio
         if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun's own report then shows the root cause
             from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
             ErrorHandler().record_exception(exc)
+        setattr(exc, runs.ERROR_RECORDED, True)  # the course's rank entry does not record it twice
         raise
     finally:
         records.close()

@@ -1,196 +1,72 @@
-"""Run a lab under torchrun from a notebook or a shell: live output, progress, timeouts, and nothing left behind.
+"""Run a lab, a module or a script under torchrun from a notebook or a shell: live output, restarts, nodes, nothing left.
 
     result = launch.run("setup", nproc=2, timeout=60)
-    python -m labsrc.launch --nproc 2 --timeout 60 setup -- --hold-s 1
+    result = launch.run("my_ddp.py", nproc=2, args=["--epochs", "1"])
+    run = launch.start("setup", nproc=1, nnodes="1:2", max_restarts=1, hold_s=20); run.end_node(1); run.wait()
 """
 from __future__ import annotations
 
-import argparse
 import os
-import queue
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from labsrc.core import runs
-from labsrc.core.world import BACKEND_ENV, RequestError, validate_request
+from labsrc.core.launch_request import (Nodes, Target, check_args, check_number, check_port, check_profile,
+                                        free_port, parse_nodes, resolve_target)
+from labsrc.core.launch_result import LOG_FILE, LaunchError, LaunchTimeout, RankFailed, RunResult, failure
+from labsrc.core.processes import RUN_ID_ENV, end_run, processes_of_run, terminate_with_parent
 from labsrc.core.progress import make_progress
+from labsrc.core.rank_output import OUTPUT_FILE, LineTail
+from labsrc.core.world import BACKEND_ENV, RequestError, validate_request
 
-RUN_ID_ENV = "LABSRC_RUN_ID"
-GRACE_S = 5.0
+__all__ = ["start", "run", "Launch", "RunResult", "LaunchError", "LaunchTimeout", "RankFailed",
+           "RequestError", "processes_of_run", "end_run"]
 
-
-@dataclass
-class RunResult:
-    """What a launch hands back: the run directory and everything the ranks recorded there."""
-
-    lab: str
-    nproc: int
-    run_dir: Path
-    returncode: int
-    wall_time_s: float
-    summary: dict | None
-    records: dict[int, list[dict]]
-    command: list[str] = field(default_factory=list)
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0
-
-    def of_kind(self, kind: str, rank: int | None = None) -> list[dict]:
-        """Records of one kind as dicts, from one rank or from all ranks in rank order."""
-        ranks = [rank] if rank is not None else sorted(self.records)
-        return [r for k in ranks for r in self.records.get(k, []) if r["kind"] == kind]
-
-    def of(self, record_class: type, rank: int | None = None) -> list:
-        """Records of one typed kind (a runs.Record subclass) as instances, rank order."""
-        return [record_class.from_dict(r) for r in self.of_kind(record_class.KIND, rank)]
+FAILED_PEER_GRACE_S = 10.0  # after one node's agent fails, the others get this long to end by themselves
+ELASTIC_RDZV_CONF = "last_call_timeout=3,join_timeout=60,keep_alive_interval=2,keep_alive_max_attempt=3"
 
 
-class LaunchError(RuntimeError):
-    """A launch that did not succeed; `.result` keeps what the run recorded before it ended."""
-
-    def __init__(self, message: str, result: RunResult | None = None):
-        super().__init__(message)
-        self.result = result
-
-
-class RankFailed(LaunchError):
-    """A rank raised: `.rank` is the first one that did, `.remote_traceback` its traceback."""
-
-    def __init__(self, message: str, result: RunResult, rank: int | None, remote_traceback: str):
-        super().__init__(message, result)
-        self.rank = rank
-        self.remote_traceback = remote_traceback
-
-
-class LaunchTimeout(LaunchError):
-    """The run outlived its timeout and was ended."""
-
-
-def lab_module(lab: str) -> str:
-    """'setup' -> 'labsrc.labs.setup'; a dotted name is taken as it is."""
-    return lab if "." in lab else f"labsrc.labs.{lab}"
-
-
-def check_port_free(port: int, host: str = "127.0.0.1") -> None:
-    """Raise RequestError naming the fix if `port` cannot be bound on loopback."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            probe.bind((host, port))
-        except OSError as exc:
-            raise RequestError(
-                f"port {port} on {host} is already in use ({exc.strerror}). Leave port unset so a free "
-                f"one is chosen, or end the process holding it (`ss -ltnp | grep {port}`)."
-            ) from None
-
-
-def torchrun_command(module: str, nproc: int, lab_args: list[str], port: int | None = None) -> list[str]:
-    """torchrun on one machine: standalone rendezvous on loopback, a free port unless one is given."""
+def torchrun_command(target: Target, nproc: int, nodes: Nodes, target_args: list[str], run_id: str,
+                     max_restarts: int = 0, port: int | None = None) -> list[str]:
+    """One torchrun agent: standalone on loopback for one node, else a c10d rendezvous at 127.0.0.1:port."""
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               "--max-restarts=0", "--monitor-interval=0.1", "--local-addr=127.0.0.1"]
-    if port is None:
+               f"--max-restarts={max_restarts}", "--monitor-interval=0.1", "--local-addr=127.0.0.1"]
+    if nodes.maximum == 1 and port is None:
         command.append("--standalone")
     else:
-        command += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}"]
-    return command + ["-m", module, *lab_args]
+        command += [f"--nnodes={nodes.spec}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                    f"--rdzv-id={run_id}"]
+        if nodes.maximum > 1:
+            command.append(f"--rdzv-conf={ELASTIC_RDZV_CONF}")
+    return command + ["-m", "labsrc.core.rank_entry", *target.entry_argv, "--", *target_args]
 
 
-def child_environment(nproc: int, run_dir: Path, run_id: str, backend: str | None,
-                      profile: str | None, extra: dict | None) -> dict:
+def child_environment(ranks: int, run_dir: Path, run_id: str, backend: str | None, profile: str | None,
+                      own_store: bool, extra: dict | None) -> dict:
     env = dict(os.environ)
     cores = os.cpu_count() or 1
     env.update({
         "PYTHONUNBUFFERED": "1",
-        "OMP_NUM_THREADS": str(max(1, cores // nproc)),  # ranks share the cores instead of fighting
+        "OMP_NUM_THREADS": str(max(1, cores // ranks)),  # ranks share the cores instead of fighting
         runs.RUN_DIR_ENV: str(run_dir),
         RUN_ID_ENV: run_id,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
                                                     env.get("PYTHONPATH")])),
     })
+    if own_store:
+        # Each attempt's ranks build a fresh store: with torchrun's shared one, a joining node deadlocks on
+        # MASTER_ADDR, and on torch 2.14 a restarted attempt's gloo ranks were seen dialling the previous
+        # attempt's (dead) addresses ("connectFullMesh failed ... Connection refused").
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if backend:
         env[BACKEND_ENV] = backend
     if profile:
         env["LABSRC_PROFILE"] = profile
     env.update(extra or {})
     return env
-
-
-def processes_of_run(run_id: str, root_pid: int | None):
-    """Every live process of a run: the launcher's descendants and anything carrying the run's tag."""
-    import psutil
-    found = {}
-    if root_pid is not None:
-        try:
-            root = psutil.Process(root_pid)
-            for proc in [root, *root.children(recursive=True)]:
-                found[proc.pid] = proc
-        except psutil.NoSuchProcess:
-            pass
-    for proc in psutil.process_iter():
-        if proc.pid in found or proc.pid == os.getpid():
-            continue
-        try:
-            if proc.environ().get(RUN_ID_ENV) == run_id:
-                found[proc.pid] = proc
-        except (psutil.Error, OSError):
-            continue
-    return list(found.values())
-
-
-def end_run(run_id: str, root_pid: int | None, grace_s: float = GRACE_S) -> int:
-    """Terminate every process of a run, kill what is left after the grace period; return how many."""
-    import psutil
-    procs = processes_of_run(run_id, root_pid)
-    for proc in procs:
-        try:
-            proc.send_signal(signal.SIGTERM)
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    alive += [p for p in processes_of_run(run_id, None) if p not in alive]
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=2)
-    return len(procs)
-
-
-def _terminate_with_parent() -> None:
-    """In the child before exec: torchrun gets SIGTERM if this launcher dies (Linux), and ends its ranks."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-def _pump(stream, lines: "queue.Queue[str | None]") -> None:
-    for line in iter(stream.readline, ""):
-        lines.put(line)
-    lines.put(None)
-
-
-def _failure(result: RunResult, tail: deque) -> LaunchError:
-    errors = runs.read_errors(result.run_dir)
-    if not errors:
-        last = "".join(tail)
-        return LaunchError(
-            f"{result.lab} exited with code {result.returncode} and no rank reported an exception "
-            f"(killed by a signal, or out of memory?). Last output:\n{last}", result)
-    first = min(errors.values(), key=lambda e: e.get("time", 0))
-    others = sorted(set(errors) - {first["rank"]})
-    also = f" (then rank(s) {others} failed too)" if others else ""
-    return RankFailed(
-        f"rank {first['rank']} of {result.lab} failed{also}: {first['type']}: {first['message']}\n"
-        f"--- traceback of rank {first['rank']} ---\n{first['traceback']}",
-        result, first["rank"], first["traceback"])
 
 
 def lab_options_argv(module: str, options: dict) -> list[str]:
@@ -201,112 +77,171 @@ def lab_options_argv(module: str, options: dict) -> list[str]:
     return options_class.make(**options).to_argv()
 
 
-def run(lab: str, nproc: int = 2, args: list | tuple = (), timeout: float = 300.0,
-        backend: str | None = None, profile: str | None = None, port: int | None = None,
-        env: dict | None = None, check: bool = True, echo: bool = True,
-        runs_root: Path | None = None, **options) -> RunResult:
-    """Launch `lab` on `nproc` ranks with torchrun and wait; return its RunResult.
+class Launch:
+    """A started run: one torchrun agent per simulated node. `wait()` returns its RunResult; `end_node(i)` loses one."""
 
-    Output streams live, each line prefixed by its rank. On timeout, interrupt (the notebook's stop
-    button, Ctrl-C) or a failed rank, every process of the run is ended: SIGTERM, then SIGKILL after a
-    grace period. With check=True a failure raises RankFailed / LaunchTimeout / LaunchError.
-    """
-    validate_request(nproc, backend)
-    if port is not None:
-        check_port_free(port)
-    module = lab_module(lab)
-    name = module.rsplit(".", 1)[-1]
-    lab_args = lab_options_argv(module, options) + [str(a) for a in args]
-    run_dir = runs.new_run_dir(name, runs_root)
-    run_id = run_dir.name
-    command = torchrun_command(module, nproc, lab_args, port)
-    child_env = child_environment(nproc, run_dir, run_id, backend, profile, env)
-    progress = make_progress(name, nproc, run_dir)
-    tail: deque = deque(maxlen=40)
-    start = time.perf_counter()
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            bufsize=1, env=child_env, start_new_session=True,
-                            preexec_fn=_terminate_with_parent)
-    lines: "queue.Queue[str | None]" = queue.Queue()
-    threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
-    timed_out = False
-    try:
-        stream_open = True
-        while stream_open or proc.poll() is None:
+    def __init__(self, target: Target, nproc: int, nodes: Nodes, run_dir: Path, commands: list[list[str]],
+                 env: dict, timeout: float, echo: bool, check: bool):
+        self.target, self.nproc, self.nodes, self.run_dir = target, nproc, nodes, run_dir
+        self.run_id, self.commands, self.timeout, self.echo, self.check = run_dir.name, commands, timeout, echo, check
+        self.ended_nodes: set[int] = set()
+        self.output: list[str] = []
+        self._tail = LineTail(run_dir / OUTPUT_FILE)
+        self._attempts_seen = 0
+        self._progress = make_progress(target.name, nproc * nodes.maximum, run_dir)
+        self._log = open(run_dir / LOG_FILE, "ab")
+        self._start = time.perf_counter()
+        self.agents = [self._start_agent(i, command, env) for i, command in enumerate(commands)]
+
+    @property
+    def log_path(self) -> Path:
+        return self.run_dir / LOG_FILE
+
+    def _start_agent(self, node: int, command: list[str], env: dict) -> subprocess.Popen:
+        self._log.write(f"[launch] node {node}: {' '.join(command)}\n".encode())
+        self._log.flush()
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                env=env, start_new_session=True, preexec_fn=terminate_with_parent)
+
+    def end_node(self, node: int) -> None:
+        """Lose simulated node `node` at once: its torchrun agent and its ranks are killed (SIGKILL)."""
+        import psutil
+        if not 0 <= node < len(self.agents):
+            raise RequestError(f"node must be 0..{len(self.agents) - 1} (got {node}).")
+        self.ended_nodes.add(node)
+        try:
+            agent = psutil.Process(self.agents[node].pid)
+            family = [agent, *agent.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return
+        for proc in family:
             try:
-                line = lines.get(timeout=0.1)
-                if line is None:
-                    stream_open = False
-                else:
-                    tail.append(line)
-                    if echo:
-                        print(line, end="", flush=True)
-            except queue.Empty:
+                proc.kill()
+            except psutil.Error:
                 pass
-            progress.update()
-            if time.perf_counter() - start > timeout:
-                timed_out = True
-                break
-    except KeyboardInterrupt:
-        count = end_run(run_id, proc.pid)
-        progress.close()
-        print(f"\nInterrupted: ended {count} process(es) of {name}. Records so far stay in {run_dir}.",
-              flush=True)
-        raise
-    if timed_out:
-        end_run(run_id, proc.pid)
-    else:
-        end_run(run_id, None, grace_s=1.0)  # strays only: a worker a rank left behind
-    proc.wait()
-    progress.close()
-    result = RunResult(name, nproc, run_dir, proc.returncode, time.perf_counter() - start,
-                       runs.read_summary(run_dir), runs.read_records(run_dir), command)
-    if timed_out:
-        error = LaunchTimeout(
-            f"{name} ran past its {timeout:g} s timeout and all its processes were ended. What the "
-            f"ranks recorded so far is in {run_dir}. Give it a longer timeout, or use a smaller "
-            f"profile (LABSRC_PROFILE=ci).", result)
-        if check:
-            raise error
-        result.returncode = result.returncode if result.returncode else -signal.SIGTERM
+        self._log.write(f"[launch] node {node} ended on purpose (end_node)\n".encode())
+        self._log.flush()
+
+    def _pump(self) -> None:
+        """Stream the ranks' new lines, announce new attempts, move the progress bars."""
+        notes = runs.read_attempts(self.run_dir)
+        attempts = 1 + max((n["attempt"] for n in notes), default=-1)
+        if attempts > max(self._attempts_seen, 1) and self.echo:
+            print(f"[launch] attempt {attempts} of {self.target.name} started (torchrun restart "
+                  f"{attempts - 1})", flush=True)
+        self._attempts_seen = max(self._attempts_seen, attempts)
+        for line in self._tail.new_lines():
+            self.output.append(line)
+            if self.echo:
+                print(line, flush=True)
+        self._progress.update()
+
+    def _running(self) -> list[int]:
+        return [i for i, agent in enumerate(self.agents) if agent.poll() is None]
+
+    def _failed(self) -> list[int]:
+        return [i for i, agent in enumerate(self.agents)
+                if i not in self.ended_nodes and agent.poll() not in (None, 0)]
+
+    def _watch(self) -> bool:
+        """Poll until every agent has ended, or one failed and the others outlived the grace; True on timeout."""
+        failed_since = None
+        while self._running():
+            self._pump()
+            if time.perf_counter() - self._start > self.timeout:
+                return True
+            if self._failed():
+                failed_since = failed_since or time.perf_counter()
+                if time.perf_counter() - failed_since > FAILED_PEER_GRACE_S:
+                    return False
+            time.sleep(0.1)
+        return False
+
+    def wait(self) -> RunResult:
+        """Wait for the run to end (or end it on timeout / interrupt); its RunResult, or raise on failure."""
+        pids = [agent.pid for agent in self.agents]
+        try:
+            timed_out = self._watch()
+        except KeyboardInterrupt:
+            count = end_run(self.run_id, pids)
+            self._finish()
+            print(f"\nInterrupted: ended {count} process(es) of {self.target.name}. Records so far stay in "
+                  f"{self.run_dir}.", flush=True)
+            raise
+        end_run(self.run_id, pids, grace_s=5.0 if timed_out or self._running() else 1.0)
+        result = self._finish()
+        if timed_out:
+            error = LaunchTimeout(
+                f"{result.lab} ran past its {self.timeout:g} s timeout and all its processes were ended. What "
+                f"the ranks recorded so far is in {self.run_dir}. Give it a longer timeout, or use a smaller "
+                f"profile (LABSRC_PROFILE=ci).\nfull log: {self.log_path}", result)
+            if self.check:
+                raise error
+            result.returncode = result.returncode or -signal.SIGTERM
+            return result
+        if result.returncode != 0 and self.check:
+            raise failure(result)
         return result
-    if result.returncode != 0 and check:
-        raise _failure(result, tail)
-    return result
+
+    def _finish(self) -> RunResult:
+        for agent in self.agents:
+            agent.wait()
+        self._pump()
+        self._progress.close()
+        self._log.close()
+        codes = [a.returncode for i, a in enumerate(self.agents) if i not in self.ended_nodes]
+        returncode = next((c for c in codes if c != 0), 0) if codes else -signal.SIGKILL
+        notes = runs.read_attempts(self.run_dir)
+        if returncode == 1:  # torchrun says 1 for any failure: the first failing rank's own status is truer
+            last = max((n["attempt"] for n in notes), default=0)
+            exits = [e for e in runs.read_attempts(self.run_dir, runs.EXITS_FILE) if e["attempt"] == last]
+            returncode = next((e["exit_code"] for e in exits if e["exit_code"] != 0), returncode)
+        return RunResult.collect(self.target.name, self.nproc, self.run_dir, returncode,
+                                 time.perf_counter() - self._start, self.commands[0], self.output,
+                                 1 + max((n["attempt"] for n in notes), default=-1), self.nodes.spec)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    lab_args: list[str] = []
-    if "--" in argv:
-        split = argv.index("--")
-        argv, lab_args = argv[:split], argv[split + 1:]
-    parser = argparse.ArgumentParser(prog="python -m labsrc.launch", description=__doc__.splitlines()[0])
-    parser.add_argument("module", help="lab name (setup) or dotted module (labsrc.labs.x)")
-    parser.add_argument("--nproc", type=int, default=2, help="ranks to start (default 2)")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before the run is ended")
-    parser.add_argument("--backend", choices=["nccl", "gloo"], default=None)
-    parser.add_argument("--profile", choices=["ci", "cpu", "gpu"], default=None)
-    parser.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
-    options = parser.parse_args(argv)
-    try:
-        result = run(options.module, options.nproc, lab_args, options.timeout, options.backend,
-                     options.profile, options.port)
-    except RequestError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except LaunchTimeout as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 124
-    except LaunchError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
-    print(f"{result.lab}: {result.nproc} rank(s) finished in {result.wall_time_s:.1f} s; "
-          f"records in {result.run_dir}")
-    return 0
+def start(target: str, nproc: int = 2, args: list | tuple = (), timeout: float = 300.0,
+          backend: str | None = None, profile: str | None = None, port: int | None = None,
+          env: dict | None = None, check: bool = True, echo: bool = True, runs_root: Path | None = None,
+          max_restarts: int = 0, nnodes: int | str = 1, **options) -> Launch:
+    """Check the request, then start torchrun (one agent per node) on `target`; returns the running Launch.
+
+    target: a script path ("my_ddp.py"), a dotted module ("pkg.train") or a course lab ("setup"); **options
+    are a course lab's typed options. Everything is checked before anything starts (RequestError says what
+    to do).
+    """
+    check_number("timeout", timeout, 0, strict=True)
+    check_number("max_restarts", max_restarts, 0, whole=True)
+    nodes = parse_nodes(nnodes)
+    check_number("nproc", nproc, 1, whole=True)
+    validate_request(nproc * nodes.maximum, backend)
+    check_profile(profile)
+    target_args = check_args(args)
+    if port is not None:
+        check_port(port)
+    resolved = resolve_target(target)
+    if options and resolved.kind != "lab":
+        raise RequestError(f"typed options ({', '.join(sorted(options))}) are for course labs only; give "
+                           f"{resolved.name}'s own flags as args=[...].")
+    if resolved.kind == "lab":
+        target_args = lab_options_argv(resolved.value, options) + target_args
+    run_dir = runs.new_run_dir(resolved.name, runs_root)
+    if nodes.maximum > 1 and port is None:
+        port = free_port()
+    commands = [torchrun_command(resolved, nproc, nodes, target_args, run_dir.name, max_restarts, port)
+                for _ in range(nodes.maximum)]
+    child_env = child_environment(nproc * nodes.maximum, run_dir, run_dir.name, backend, profile,
+                                  nodes.maximum > 1 or max_restarts > 0, env)
+    return Launch(resolved, nproc, nodes, run_dir, commands, child_env, timeout, echo, check)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def run(target: str, nproc: int = 2, args: list | tuple = (), timeout: float = 300.0, **settings) -> RunResult:
+    """Launch `target` on `nproc` ranks (per node) with torchrun and wait: start(...).wait().
+
+    The ranks' lines stream live, each prefixed by its rank. On timeout, interrupt (the notebook's stop
+    button, Ctrl-C) or a failed rank, every process of the run is ended, every node's included. With
+    check=True a failure raises RankFailed (the first failing rank's traceback, once, and where the full log
+    is) / LaunchTimeout / LaunchError. Settings: see `start`.
+    """
+    return start(target, nproc, args, timeout, **settings).wait()

@@ -12,6 +12,7 @@ from typing import ClassVar
 
 RUN_DIR_ENV = "LABSRC_RUN_DIR"
 RUNS_ROOT_ENV = "LABSRC_RUNS"
+ERROR_RECORDED = "labsrc_error_recorded"  # set on an exception once rank<r>.error.json holds it
 
 
 def runs_root() -> Path:
@@ -131,7 +132,7 @@ def write_error(run_dir: Path | str, rank: int, exc: BaseException, formatted: s
     """rank<r>.error.json: the exception a rank died of, for the launcher to report."""
     path = Path(run_dir) / f"rank{rank}.error.json"
     path.write_text(json.dumps({"rank": rank, "type": type(exc).__name__, "message": str(exc),
-                                "traceback": formatted, "time": time.time()}))
+                                "traceback": formatted, "time": time.time(), "attempt": current_attempt()}))
     return path
 
 
@@ -141,3 +142,37 @@ def read_errors(run_dir: Path | str) -> dict[int, dict]:
         data = json.loads(path.read_text())
         errors[int(data["rank"])] = data
     return errors
+
+
+def by_attempt(records: dict[int, list[dict]]) -> dict[int, dict[int, list[dict]]]:
+    """{attempt: {rank: [record, ...]}}: a restarted run's records, one attempt apart from the other."""
+    split: dict[int, dict[int, list[dict]]] = {}
+    for rank, rows in records.items():
+        for row in rows:
+            split.setdefault(int(row.get("attempt", 0)), {}).setdefault(rank, []).append(row)
+    return {attempt: dict(sorted(ranks.items())) for attempt, ranks in sorted(split.items())}
+
+
+ATTEMPTS_FILE = "attempts.jsonl"
+
+
+EXITS_FILE = "exits.jsonl"
+
+
+def note_attempt(run_dir: Path | str, file: str = ATTEMPTS_FILE, **fields) -> None:
+    """Append one line to attempts.jsonl as a rank starts (its rank, node, attempt, pid), or to exits.jsonl as
+    it ends (its exit status): one write, never torn."""
+    line = (json.dumps({"time": time.time(), "attempt": current_attempt(), **fields}) + "\n").encode()
+    fd = os.open(Path(run_dir) / file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line)
+    finally:
+        os.close(fd)
+
+
+def read_attempts(run_dir: Path | str, file: str = ATTEMPTS_FILE) -> list[dict]:
+    """Every rank start noted in attempts.jsonl (or exit in exits.jsonl), in the order they happened."""
+    path = Path(run_dir) / file
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

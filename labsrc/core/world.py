@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import datetime
 import os
-import sys
+import signal
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from labsrc.core.processes import die_with_parent
 
 BACKEND_ENV = "LABSRC_BACKEND"
 
@@ -87,19 +89,6 @@ def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
-def _die_with_parent() -> None:
-    """Ask Linux to kill this rank if its launcher dies, so no rank outlives its run."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        import ctypes
-        import signal
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 def setup(backend: str | None = None, timeout_s: float = 120.0, seed: int | None = None) -> RankContext:
     """Join the process group torchrun described in the environment, or run alone as rank 0 of 1.
 
@@ -116,7 +105,7 @@ def setup(backend: str | None = None, timeout_s: float = 120.0, seed: int | None
     if device.type == "cuda":
         torch.cuda.set_device(device)
     if "RANK" in os.environ and "TORCHELASTIC_RUN_ID" in os.environ:
-        _die_with_parent()
+        die_with_parent(signal.SIGKILL)  # no rank outlives its launcher
     if seed is not None:
         torch.manual_seed(seed)
     if world_size > 1 or "MASTER_ADDR" in os.environ:

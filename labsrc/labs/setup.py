@@ -2,7 +2,7 @@
 
     python -m labsrc.launch --nproc 2 setup -- --hold-s 3
     torchrun --nproc-per-node 2 -m labsrc.labs.setup
-Options to watch a run being stopped (hold_s) or a rank crashing (fail_rank).
+Options to watch a run being stopped (hold_s), a rank crashing (fail_rank) and a restart (fail_attempts).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from labsrc.core.lab import run_lab
 from labsrc.core.options import LabOptions, positive
-from labsrc.core.runs import Record
+from labsrc.core.runs import Record, current_attempt
 from labsrc.core.world import RequestError
 
 
@@ -29,11 +29,14 @@ class Options(LabOptions):
     """This rank raises on purpose (-1: none)."""
     fail_after_s: int = 0
     """Seconds into hold_s at which fail_rank raises."""
+    fail_attempts: int = 0
+    """fail_rank raises only on the first this-many attempts (0: on every attempt), to watch a restart."""
 
     def validate(self) -> None:
         super().validate()
         positive("hold_s", self.hold_s, allow_zero=True)
         positive("fail_after_s", self.fail_after_s, allow_zero=True)
+        positive("fail_attempts", self.fail_attempts, allow_zero=True)
         if self.fail_rank < -1:
             raise RequestError(f"fail_rank must be a rank (0, 1, ...) or -1 for none (got {self.fail_rank}).")
 
@@ -51,6 +54,12 @@ class PlantedCrash(RuntimeError):
     """The failure fail_rank asks for, so a learner can see how a crashed rank is reported."""
 
 
+def crashes_now(ctx, options: Options) -> bool:
+    """Is this the rank, and the attempt (torchrun's restart count), that fail_rank/fail_attempts plant a crash in?"""
+    early_enough = options.fail_attempts == 0 or current_attempt() < options.fail_attempts
+    return ctx.rank == options.fail_rank and early_enough
+
+
 def allreduce_rank_ids(ctx, records, options: Options) -> dict:
     value = torch.tensor([float(ctx.rank)], device=ctx.device)
     if ctx.distributed:
@@ -59,11 +68,11 @@ def allreduce_rank_ids(ctx, records, options: Options) -> dict:
     records.write(AllReduce(contributed=ctx.rank, received=total))
     print(f"contributed {ctx.rank}, all_reduce gave {total}")
     for second in range(int(options.hold_s)):
-        if ctx.rank == options.fail_rank and second == options.fail_after_s:
+        if crashes_now(ctx, options) and second == options.fail_after_s:
             raise PlantedCrash(f"rank {ctx.rank} crashed on purpose after {second} s (fail_rank)")
         records.progress(second, int(options.hold_s))
         time.sleep(1.0)
-    if ctx.rank == options.fail_rank:
+    if crashes_now(ctx, options):
         raise PlantedCrash(f"rank {ctx.rank} crashed on purpose (fail_rank)")
     if options.hold_s:
         records.progress(int(options.hold_s), int(options.hold_s))
