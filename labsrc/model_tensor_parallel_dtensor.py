@@ -1,0 +1,133 @@
+"""The same tensor parallelism with DeviceMesh and torch.distributed.tensor.parallel, checked against the hand-written one.
+
+Import paths used (torch 2.11-2.14): torch.distributed.device_mesh.init_device_mesh,
+torch.distributed.tensor.parallel.parallelize_module / ColwiseParallel / RowwiseParallel / SequenceParallel,
+torch.distributed.tensor.Shard / DTensor. Their collectives wait at most the process group's timeout (the
+lab's pg_timeout_s); the one all_reduce called here directly waits at most ALL_REDUCE_TIMEOUT.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from labsrc import model_tensor_parallel as tp
+
+
+def mesh_of(device: torch.device, shape: tuple[int, ...], names: tuple[str, ...]):
+    """A DeviceMesh over every rank (a process group per mesh axis), on the ranks' device type."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh(device.type, shape, mesh_dim_names=names)
+
+
+def plain(tensor) -> torch.Tensor:
+    """A local, finished, detached tensor from what a parallelized module returns (AsyncCollectiveTensor,
+    DTensor or a plain tensor)."""
+    from torch.distributed.tensor import DTensor
+    tensor = tensor.detach()
+    if hasattr(tensor, "wait"):
+        tensor = tensor.wait()
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def parallel_mlp(dense: tp.DenseMLP, mesh) -> nn.Module:
+    """A copy of dense with fc1 column-wise and fc2 row-wise over the mesh: the plan of TensorParallelMLP."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    return parallelize_module(copy.deepcopy(dense), mesh, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+
+
+def local_gradients(module: nn.Module) -> dict:
+    """{name: this rank's piece of the gradient} for a parallelized module's parameters."""
+    return {name: plain(p.grad) for name, p in module.named_parameters()}
+
+
+def compare_with_handwritten(dense: tp.DenseMLP, x: torch.Tensor, rank: int, world_size: int) -> dict:
+    """ColwiseParallel/RowwiseParallel MLP vs TensorParallelMLP vs dense on x (batch, seq, hidden): largest
+    differences of outputs and of every rank-local gradient piece."""
+    mesh = mesh_of(x.device, (world_size,), ("tensor",))
+    handwritten = tp.TensorParallelMLP(dense, rank, world_size, tp.Traffic())
+    library = parallel_mlp(dense, mesh)
+    probe = torch.linspace(-1, 1, x.numel(), device=x.device).view_as(x)
+    outputs = {}
+    for name, module in (("handwritten", handwritten), ("library", library), ("dense", dense)):
+        output = module(x)
+        (output * probe).sum().backward()
+        outputs[name] = plain(output)
+    library_grads = local_gradients(library)
+    handwritten_grads = {name: p.grad for name, p in handwritten.named_parameters()}
+    return {"output_vs_handwritten": tp.max_error([(outputs["library"], outputs["handwritten"])]),
+            "output_vs_dense": tp.max_error([(outputs["library"], outputs["dense"])]),
+            "grad_vs_handwritten": tp.max_error([(library_grads[n], handwritten_grads[n]) for n in handwritten_grads]),
+            "weight_shapes": {n: list(g.shape) for n, g in library_grads.items()}}
+
+
+class NormMLP(nn.Module):
+    """LayerNorm then the MLP: (batch, seq, hidden) -> (batch, seq, hidden); the block sequence parallelism splits."""
+
+    def __init__(self, dense: tp.DenseMLP, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(hidden)
+        self.mlp = copy.deepcopy(dense)
+
+    def forward(self, x):
+        return self.mlp(self.norm(x))
+
+
+def compare_sequence_parallel(dense: tp.DenseMLP, x: torch.Tensor, rank: int, world_size: int) -> dict:
+    """SequenceParallel LayerNorm on this rank's slice of the sequence, all-gather into ColwiseParallel fc1,
+    reduce-scatter out of RowwiseParallel fc2: output (batch, seq/n, hidden) vs the dense block's same slice."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+    mesh = mesh_of(x.device, (world_size,), ("tensor",))
+    block = NormMLP(dense, x.shape[-1]).to(x.device)
+    reference = copy.deepcopy(block)
+    plan = {"norm": SequenceParallel(), "mlp.fc1": ColwiseParallel(input_layouts=Shard(1)),
+            "mlp.fc2": RowwiseParallel(output_layouts=Shard(1))}
+    parallel = parallelize_module(block, mesh, plan)
+    local_x = x.chunk(world_size, dim=1)[rank]
+    output = plain(parallel(local_x))
+    expected = reference(x).detach().chunk(world_size, dim=1)[rank]
+    return {"output_error": tp.max_error([(output, expected)]), "local_shape": list(output.shape)}
+
+
+def compare_two_dimensional(dense: tp.DenseMLP, x: torch.Tensor, rank: int, world_size: int) -> dict:
+    """A (data, tensor) mesh of shape (n/2, 2): each data group takes its slice of the batch through a
+    tensor-parallel MLP, gradients are summed over the data axis; every gradient piece vs the dense model's
+    gradient of the whole batch, cut like the piece's placement."""
+    from torch.distributed.tensor import Shard
+    tensor_size = 2
+    mesh = mesh_of(x.device, (world_size // tensor_size, tensor_size), ("data", "tensor"))
+    data_rank, tensor_rank = mesh.get_local_rank("data"), mesh.get_local_rank("tensor")
+    library = parallel_mlp(dense, mesh["tensor"])
+    probe = torch.linspace(-1, 1, x.numel(), device=x.device).view_as(x)
+    batch_slice = slice(data_rank * x.shape[0] * tensor_size // world_size,
+                        (data_rank + 1) * x.shape[0] * tensor_size // world_size)
+    (library(x[batch_slice]) * probe[batch_slice]).sum().backward()
+    (dense(x) * probe).sum().backward()
+    dense_grads, errors = dict(dense.named_parameters()), []
+    for name, parameter in library.named_parameters():
+        piece = plain(parameter.grad).contiguous()
+        dist.all_reduce(piece, group=mesh.get_group("data"), async_op=True).wait(tp.ALL_REDUCE_TIMEOUT)
+        placement = parameter.placements[0]
+        whole = dense_grads[name].grad
+        expected = whole.chunk(tensor_size, dim=placement.dim)[tensor_rank] if isinstance(placement, Shard) else whole
+        errors.append((piece, expected))
+    return {"grad_error": tp.max_error(errors), "tolerance": tp.tolerance(max(float(e.abs().max()) for _, e in errors)),
+            "data_rank": data_rank, "tensor_rank": tensor_rank,
+            "batch_rows": batch_slice.stop - batch_slice.start}
+
+
+def _two_dimensional_rank(ctx, hidden: int, heads: int, batch: int, seq: int, seed: int) -> dict:
+    dense = tp.make_dense("mlp", hidden, heads, ctx.device, seed)
+    return compare_two_dimensional(dense, tp.make_input(batch, seq, hidden, ctx.device, seed + 3), ctx.rank,
+                                   ctx.world_size)
+
+
+def two_dimensional_on_forked_ranks(hidden: int, heads: int, batch: int, seq: int, seed: int = 0,
+                                    world_size: int = 4) -> list[dict]:
+    """compare_two_dimensional on world_size forked gloo CPU ranks (no torchrun launch): one dict per rank."""
+    from labsrc.core.forked import run_ranks
+    return run_ranks(_two_dimensional_rank, world_size, (hidden, heads, batch, seq, seed), timeout_s=120)

@@ -1,0 +1,90 @@
+"""Figures of notebook 07 (model and tensor parallel): shard layout, the naive split's busy timeline, bytes, cost."""
+from __future__ import annotations
+
+from labsrc.labs.model_tensor_parallel import BlockCheck, BusyInterval, CostRow, ShardLayout
+from labsrc.plots import new_axes
+
+RANK_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray")
+
+
+def shard_layout(result, block: str = "mlp"):
+    """Each weight of the block as a (out, in) rectangle, cut into the parts ranks hold, coloured by rank."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+    shards = [s for s in result.of(ShardLayout) if s.block == block]
+    names = list(dict.fromkeys(s.parameter for s in shards))
+    figure, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 3.4), squeeze=False)
+    for ax, name in zip(axes[0], names):
+        pieces = [s for s in shards if s.parameter == name]
+        rows, columns = pieces[0].dense_shape
+        for piece in pieces:
+            colour = RANK_COLOURS[piece.rank % len(RANK_COLOURS)]
+            if piece.dim == 0:  # a block of rows: output features
+                box = Rectangle((0, rows - piece.stop), columns, piece.stop - piece.start, color=colour, alpha=0.6)
+            else:  # a block of columns: input features
+                box = Rectangle((piece.start, 0), piece.stop - piece.start, rows, color=colour, alpha=0.6)
+            ax.add_patch(box)
+            ax.text(box.get_x() + box.get_width() / 2, box.get_y() + box.get_height() / 2,
+                    f"rank {piece.rank}\n{piece.shard_shape[0]}x{piece.shard_shape[1]}", ha="center", va="center")
+        ax.set_xlim(0, columns)
+        ax.set_ylim(0, rows)
+        ax.set_title(f"{name}.weight {rows}x{columns}: {pieces[0].style}-parallel")
+        ax.set_xlabel("in features")
+        ax.set_ylabel("out features")
+    figure.tight_layout()
+    return figure
+
+
+def busy_timeline(result):
+    """The naive split: one row per rank, forward (solid) and backward (hatched) boxes, step numbers on them."""
+    intervals = result.of(BusyInterval)
+    origin = min(i.start for i in intervals)
+    ax = new_axes("Naive model parallelism: when each rank computes",
+                  "time (ms); solid: forward, hatched: backward, number: step", "rank", figsize=(8, 3))
+    for interval in intervals:
+        colour = RANK_COLOURS[interval.rank % len(RANK_COLOURS)]
+        left, width = (interval.start - origin) * 1e3, (interval.end - interval.start) * 1e3
+        ax.barh(interval.rank, width, left=left, color=colour, hatch="//" if interval.phase == "backward" else None,
+                edgecolor="black", alpha=0.8)
+        ax.text(left + width / 2, interval.rank, str(interval.step), ha="center", va="center", fontsize=8)
+    ax.set_yticks(sorted({i.rank for i in intervals}))
+    ax.invert_yaxis()
+    ax.figure.tight_layout()
+    return ax
+
+
+def bytes_against_formula(result):
+    """All-reduce payload each block handed to all_reduce, forward and backward, beside the formula's."""
+    checks = result.of(BlockCheck, rank=0)
+    ax = new_axes("All-reduce payload per step, counted vs formula", "", "bytes")
+    labels, counted, formula = [], [], []
+    for check in checks:
+        for phase in ("forward", "backward"):
+            labels.append(f"{check.block}\n{phase}")
+            counted.append(getattr(check, f"{phase}_bytes"))
+            formula.append(getattr(check, f"expected_{phase}_bytes"))
+    positions = range(len(labels))
+    ax.bar([p - 0.2 for p in positions], counted, width=0.4, label="counted in the autograd functions")
+    ax.bar([p + 0.2 for p in positions], formula, width=0.4, label="batch x seq x hidden x 4 bytes")
+    ax.set_xticks(list(positions), labels)
+    ax.legend(loc="lower center")
+    ax.figure.tight_layout()
+    return ax
+
+
+def cost_comparison(result):
+    """Communication seconds per step against tokens per step: measured here, the fitted model, and NVLink."""
+    rows = result.of(CostRow, rank=0)
+    ax = new_axes("Tensor vs data parallel: communication per step", "tokens per step", "seconds")
+    styles = {"tensor": "tab:red", "data": "tab:blue"}
+    for scheme, colour in styles.items():
+        mine = sorted((r for r in rows if r.scheme == scheme), key=lambda r: r.tokens)
+        tokens = [r.tokens for r in mine]
+        ax.plot(tokens, [r.measured_s for r in mine], "o-", color=colour, label=f"{scheme}: measured here")
+        ax.plot(tokens, [r.predicted_s for r in mine], "x--", color=colour, label=f"{scheme}: alpha-beta fit")
+        ax.plot(tokens, [r.nvlink_s for r in mine], ":", color=colour, label=f"{scheme}: model, NVLink (assumed)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    ax.figure.tight_layout()
+    return ax

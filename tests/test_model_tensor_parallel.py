@@ -1,0 +1,158 @@
+"""Lesson 07: every split model against the unsplit one on forked gloo ranks; bytes, memory and busy-time overlap."""
+import pytest
+import torch
+
+from labsrc import model_tensor_parallel as tp
+from labsrc import model_tensor_parallel_cost as cost
+from labsrc import model_tensor_parallel_dtensor as library
+from labsrc import model_tensor_parallel_naive as naive
+from labsrc.core.forked import RankError, run_ranks
+from labsrc.core.world import RequestError
+from labsrc.labs.model_tensor_parallel import Options
+
+HIDDEN, HEADS, BATCH, SEQ = 32, 4, 2, 8
+
+
+def block_on_rank(ctx, kind):
+    dense = tp.make_dense(kind, HIDDEN, HEADS, ctx.device, seed=0)
+    traffic = tp.Traffic()
+    parallel_class = tp.TensorParallelMLP if kind == "mlp" else tp.TensorParallelAttention
+    parallel = parallel_class(dense, ctx.rank, ctx.world_size, traffic)
+    result = tp.compare_with_dense(dense, parallel, tp.make_input(BATCH, SEQ, HIDDEN, ctx.device, seed=1),
+                                   ctx.rank, ctx.world_size)
+    return {"outputs": result["outputs"], "gradients": result["gradients"], "calls": dict(traffic.calls),
+            "bytes": dict(traffic.payload_bytes), "shard_bytes": tp.parameter_bytes(parallel),
+            "dense_bytes": tp.parameter_bytes(dense), "replicated_bytes": tp.replicated_bytes(parallel)}
+
+
+@pytest.mark.parametrize("kind", ["mlp", "attention"])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_tensor_parallel_block_equals_dense(kind, world_size):
+    for result in run_ranks(block_on_rank, world_size, (kind,)):
+        torch.testing.assert_close(*result["outputs"])
+        for name, (got, expected) in result["gradients"].items():
+            torch.testing.assert_close(got, expected, msg=lambda m: f"{kind} {name}: {m}")
+
+
+@pytest.mark.parametrize("kind", ["mlp", "attention"])
+def test_all_reduce_bytes_and_memory_match_formulas(kind):
+    world_size = 4
+    expected = tp.expected_payload_bytes(BATCH, SEQ, HIDDEN)
+    for result in run_ranks(block_on_rank, world_size, (kind,)):
+        assert result["calls"] == {"forward": 1, "backward": 1}
+        assert result["bytes"] == expected
+        replicated = result["replicated_bytes"]
+        assert result["shard_bytes"] - replicated == (result["dense_bytes"] - replicated) / world_size
+
+
+def without_forward_all_reduce(ctx):
+    """The row-parallel layer with its all-reduce removed must no longer match the dense MLP."""
+    original = tp.ReduceFromParallel.forward
+    tp.ReduceFromParallel.forward = staticmethod(lambda context, partial, traffic, group: partial.clone())
+    try:
+        return block_on_rank(ctx, "mlp")["outputs"]
+    finally:
+        tp.ReduceFromParallel.forward = original
+
+
+def test_missing_all_reduce_breaks_equality():
+    got, expected = run_ranks(without_forward_all_reduce, 2)[0]
+    assert not torch.allclose(got, expected, atol=1e-4)
+
+
+def test_shards_cut_the_right_dimension():
+    weight = torch.arange(24.0).view(6, 4)
+    assert tp.column_shard(weight, 1, 2).shape == (3, 4)
+    assert tp.row_shard(weight, 1, 2).shape == (6, 2)
+    torch.testing.assert_close(torch.cat([tp.column_shard(weight, r, 2) for r in range(2)], 0), weight)
+    torch.testing.assert_close(torch.cat([tp.row_shard(weight, r, 2) for r in range(2)], 1), weight)
+
+
+def naive_on_rank(ctx, layers):
+    stack = naive.make_stack(layers, 64, ctx.device, seed=0)
+    stage = naive.stage_of(stack, ctx.rank, ctx.world_size)
+    x = tp.make_input(16, 1, 64, ctx.device, seed=1).squeeze(1)
+    target = tp.make_input(16, 1, 64, ctx.device, seed=2).squeeze(1)
+    errors = naive.stage_gradient_errors(stack, stage, x, target, ctx.rank, ctx.world_size)
+    return errors, naive.busy_timeline(stage, x, target, ctx.rank, ctx.world_size, steps=3)
+
+
+@pytest.mark.parametrize("world_size, layers", [(2, 4), (3, 5)])
+def test_naive_split_gradients_equal_dense_and_ranks_take_turns(world_size, layers):
+    results = run_ranks(naive_on_rank, world_size, (layers,))
+    assert sum(errors["parameters"] for errors, _ in results) == 2 * layers
+    for errors, _ in results:
+        assert errors["grad_error"] < 1e-6 and errors["loss_error"] < 1e-6
+    overlap = naive.busy_overlap([busy for _, timeline in results for busy in timeline])
+    assert overlap["overlap_fraction"] < 0.01, overlap
+
+
+def test_busy_overlap_counts_simultaneous_time():
+    spans = [naive.Busy(0, 0, "forward", 0.0, 2.0), naive.Busy(1, 0, "forward", 1.0, 3.0),
+             naive.Busy(1, 0, "backward", 5.0, 6.0)]
+    overlap = naive.busy_overlap(spans)
+    assert overlap["overlap_s"] == 1.0
+    assert overlap["busy_s"] == {0: 2.0, 1: 3.0}
+    assert overlap["overlap_fraction"] == pytest.approx(1.0 / 5.0)
+
+
+def test_stage_bounds_cover_every_layer_once():
+    assert [naive.stage_bounds(5, r, 3) for r in range(3)] == [(0, 1), (1, 3), (3, 5)]
+    with pytest.raises(ValueError):
+        naive.stage_bounds(1, 0, 2)
+
+
+def library_on_rank(ctx):
+    x = tp.make_input(BATCH, SEQ, HIDDEN, ctx.device, seed=1)
+    handwritten = library.compare_with_handwritten(tp.make_dense("mlp", HIDDEN, HEADS, ctx.device, 0), x,
+                                                   ctx.rank, ctx.world_size)
+    sequence = library.compare_sequence_parallel(tp.make_dense("mlp", HIDDEN, HEADS, ctx.device, 0), x,
+                                                 ctx.rank, ctx.world_size)
+    return handwritten, sequence
+
+
+def test_torch_tensor_parallel_matches_handwritten_and_dense():
+    for handwritten, sequence in run_ranks(library_on_rank, 2):
+        assert handwritten["output_vs_handwritten"] < 1e-5
+        assert handwritten["grad_vs_handwritten"] < 1e-5
+        assert handwritten["output_vs_dense"] < 1e-5
+        assert handwritten["weight_shapes"]["fc1.weight"] == [2 * HIDDEN, HIDDEN]  # 4*hidden rows over 2 ranks
+        assert sequence["output_error"] < 1e-5
+        assert sequence["local_shape"] == [BATCH, SEQ // 2, HIDDEN]
+
+
+def two_dimensional_on_rank(ctx):
+    dense = tp.make_dense("mlp", HIDDEN, HEADS, ctx.device, 0)
+    return library.compare_two_dimensional(dense, tp.make_input(4, SEQ, HIDDEN, ctx.device, seed=1),
+                                           ctx.rank, ctx.world_size)
+
+
+def test_two_dimensional_mesh_gradients_equal_dense():
+    results = run_ranks(two_dimensional_on_rank, 4, timeout_s=120)
+    assert {(r["data_rank"], r["tensor_rank"]) for r in results} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    for result in results:
+        assert result["batch_rows"] == 2
+        assert result["grad_error"] < result["tolerance"] <= 1e-3
+
+
+def test_cost_model_crossover_where_bytes_are_equal():
+    hidden, blocks = 256, 2
+    tokens = cost.crossover_tokens(hidden)
+    tensor_bytes = sum(cost.tensor_parallel_messages(1, hidden, blocks)) * tokens
+    assert tensor_bytes == pytest.approx(sum(cost.data_parallel_messages(hidden, blocks)))
+    assert len(cost.tensor_parallel_messages(64, hidden, blocks)) == 2 * blocks
+    dense = tp.DenseMLP(hidden, 4 * hidden)
+    assert cost.mlp_parameters(hidden) == sum(p.numel() for p in dense.parameters())
+
+
+def test_options_refuse_bad_values():
+    with pytest.raises(RequestError, match="multiple of heads"):
+        Options.make(hidden=30, heads=4)
+    with pytest.raises(RequestError):
+        Options.make(naive_steps=0)
+    assert Options.make(hidden=128, cost_tokens="16 64").to_argv() == ["--hidden", "128", "--cost-tokens", "16", "64"]
+
+
+def test_heads_that_do_not_split_are_refused():
+    with pytest.raises(RankError, match="do not split"):
+        run_ranks(lambda ctx: tp.TensorParallelAttention(tp.DenseAttention(12, 3), ctx.rank, 2, tp.Traffic()), 2)
