@@ -177,7 +177,7 @@ def test_busy_port_is_refused_before_anything_starts(runs):
 @pytest.mark.parametrize("settings, message", [
     ({"nproc": 0}, "nproc must be"),
     ({"nproc": 2, "backend": "nccl"}, "NCCL needs"),
-    ({"nproc": 64}, "CPU ranks"),
+    ({"nproc": 64, "backend": "gloo"}, "would only queue for cores"),
     ({"timeout": 0}, "timeout must be more than 0"),
     ({"max_restarts": -1}, "max_restarts must be 0 or more"),
     ({"nnodes": "2:1"}, "MIN <= MAX"),

@@ -80,3 +80,12 @@ def test_doctor_bad_options_exit_2_with_advice(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_code:
         doctor.main(argv)
     assert exit_code.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_batch_that_does_not_split_is_refused_before_torchrun_starts(tmp_path, monkeypatch):
+    from labsrc import launch
+    from labsrc.core.world import RequestError
+    monkeypatch.setenv("LABSRC_RUNS", str(tmp_path))
+    with pytest.raises(RequestError, match="global_batch 33 does not split over 2 ranks: choose a multiple of 2, e.g. 32 or 34"):
+        launch.run("dp_vs_ddp", nproc=2, global_batch=33)
+    assert not any(tmp_path.glob("*/*")), "a run directory was made for a refused launch"

@@ -69,12 +69,14 @@ def child_environment(ranks: int, run_dir: Path, run_id: str, backend: str | Non
     return env
 
 
-def lab_options_argv(module: str, options: dict) -> list[str]:
-    """A course lab's typed options as flags, checked before anything starts (RequestError if bad)."""
+def lab_options_argv(module: str, options: dict, world_size: int) -> list[str]:
+    """A course lab's typed options as flags, checked (also against the world size) before anything starts."""
     import importlib
     from labsrc.core.options import LabOptions
     options_class = getattr(importlib.import_module(module), "Options", LabOptions)
-    return options_class.make(**options).to_argv()
+    checked = options_class.make(**options)
+    checked.check_world(world_size)
+    return checked.to_argv()
 
 
 class Launch:
@@ -225,7 +227,7 @@ def start(target: str, nproc: int = 2, args: list | tuple = (), timeout: float =
         raise RequestError(f"typed options ({', '.join(sorted(options))}) are for course labs only; give "
                            f"{resolved.name}'s own flags as args=[...].")
     if resolved.kind == "lab":
-        target_args = lab_options_argv(resolved.value, options) + target_args
+        target_args = lab_options_argv(resolved.value, options, nproc * nodes.minimum) + target_args
     run_dir = runs.new_run_dir(resolved.name, runs_root)
     if nodes.maximum > 1 and port is None:
         port = free_port()

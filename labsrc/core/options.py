@@ -75,6 +75,12 @@ class LabOptions:
         if self.pg_timeout_s <= 0:
             raise RequestError(f"pg_timeout_s must be positive seconds (got {self.pg_timeout_s}).")
 
+    def check_world(self, world_size: int) -> None:
+        """Raise RequestError if these options cannot run on world_size ranks (the launcher asks before starting)."""
+        if getattr(self, "global_batch", 0):  # the labs that take a global batch: it must split over the ranks
+            from labsrc.core.plan import check_batch_splits
+            check_batch_splits(self.global_batch, world_size)
+
     # -- building -------------------------------------------------------------------------------------
 
     @classmethod

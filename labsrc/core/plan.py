@@ -38,17 +38,19 @@ class Plan:
         return self.device == "cuda" and self.backend == "gloo"
 
 
-def split_global_batch(requested: int, profile: Profile, world_size: int) -> int:
-    """The global batch a run uses: `requested`, which must split over the ranks, or (0) the profile's rounded down.
+def check_batch_splits(global_batch: int, world_size: int) -> None:
+    """RequestError naming two batches that do split, unless global_batch divides over world_size ranks."""
+    if global_batch % world_size:
+        lower = max(world_size, global_batch - global_batch % world_size)
+        raise RequestError(f"global_batch {global_batch} does not split over {world_size} ranks: "
+                           f"choose a multiple of {world_size}, e.g. {lower} or {lower + world_size}.")
 
-    Raises RequestError naming two batches that do split.
-    """
+
+def split_global_batch(requested: int, profile: Profile, world_size: int) -> int:
+    """The global batch a run uses: `requested`, which must split over the ranks, or (0) the profile's rounded down."""
     if not requested:
         return max(world_size, profile.global_batch - profile.global_batch % world_size)
-    if requested % world_size:
-        lower = max(world_size, requested - requested % world_size)
-        raise RequestError(f"global_batch {requested} does not split over {world_size} ranks: "
-                           f"choose a multiple of {world_size}, e.g. {lower} or {lower + world_size}.")
+    check_batch_splits(requested, world_size)
     return requested
 
 

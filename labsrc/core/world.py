@@ -44,8 +44,11 @@ def gpu_count() -> int:
 
 
 def max_cpu_ranks(cpu_count: int | None = None) -> int:
-    """The most CPU ranks worth running here: beyond two per core every rank just waits for a core."""
-    return max(4, 2 * (cpu_count or os.cpu_count() or 1))
+    """The most gloo ranks worth running here: beyond two per core every rank just waits for a core."""
+    if cpu_count is None:
+        from labsrc.core.hardware import cpu_cores
+        cpu_count = cpu_cores()
+    return max(4, 2 * cpu_count)
 
 
 def choose_backend(local_world_size: int, gpus: int, requested: str | None = None) -> tuple[str, str]:
@@ -77,10 +80,11 @@ def validate_request(nproc: int, backend: str | None = None, gpus: int | None = 
     gpus = gpu_count() if gpus is None else gpus
     chosen, device_kind = choose_backend(nproc, gpus, backend)
     limit = max_cpu_ranks(cpu_count)
-    if device_kind == "cpu" and nproc > limit:
+    if chosen == "gloo" and nproc > limit:  # gloo ranks sharing GPUs still each need a core
+        where = "CPU ranks" if device_kind == "cpu" else f"gloo ranks sharing {gpus} GPU(s)"
         raise RequestError(
-            f"{nproc} CPU ranks on {cpu_count or os.cpu_count()} core(s) would only queue for cores "
-            f"(at most {limit} here). Use nproc<={limit}, or run on a machine with more cores."
+            f"{nproc} {where} would only queue for cores (at most {limit} here, two per core). "
+            f"Use nproc<={limit}, or run on a machine with more cores."
         )
     return chosen, device_kind
 
