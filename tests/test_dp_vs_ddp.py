@@ -209,6 +209,3 @@ def test_lab_records_every_experiment(tmp_path, monkeypatch):
     gaps = dp_vs_ddp.curve_gaps(result.of(DdpStep), result.of(SingleStep))
     assert gaps["plain"] < 1e-3 and gaps["batch_norm_global"] < 1e-3
     assert gaps["batch_norm_local"] > 10 * gaps["batch_norm_global"]
-
-
-@pytest.mark.slow
