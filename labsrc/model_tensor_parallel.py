@@ -80,12 +80,21 @@ def row_shard(weight: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
     return weight.chunk(world_size, dim=1)[rank].clone()
 
 
+def require_whole(shard: torch.Tensor, dense: torch.Tensor, dim: int, style: str) -> None:
+    """A shard must keep every feature along `dim` of the dense (out, in) weight; say which cut is wrong if not."""
+    if shard.dim() != 2 or shard.shape[dim] != dense.shape[dim]:
+        kept = ("output features (rows, dim 0)", "input features (columns, dim 1)")
+        raise ValueError(f"{style}-parallel shard {tuple(shard.shape)} of the {tuple(dense.shape)} weight does not keep "
+                         f"all {kept[dim]}: a {style}-parallel layer cuts only the {kept[1 - dim]}.")
+
+
 class ColumnParallelLinear(nn.Module):
     """x (..., in) -> this rank's slice of the output (..., out/n); f on the input, no communication forward."""
 
     def __init__(self, dense: nn.Linear, rank: int, world_size: int, traffic: Traffic, group=None):
         super().__init__()
         self.weight = nn.Parameter(column_shard(dense.weight.detach(), rank, world_size))
+        require_whole(self.weight, dense.weight, 1, "column")
         self.bias = nn.Parameter(column_shard(dense.bias.detach(), rank, world_size))
         self.traffic, self.group = traffic, group
 
@@ -102,6 +111,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, dense: nn.Linear, rank: int, world_size: int, traffic: Traffic, group=None):
         super().__init__()
         self.weight = nn.Parameter(row_shard(dense.weight.detach(), rank, world_size))
+        require_whole(self.weight, dense.weight, 0, "row")
         self.bias = nn.Parameter(dense.bias.detach().clone())
         self.traffic, self.group = traffic, group
 
@@ -180,6 +190,32 @@ class TensorParallelAttention(nn.Module):
         shared = CopyToParallel.apply(x, self.traffic, self.group)
         local = [functional.linear(shared, layer.weight, layer.bias) for layer in (self.query, self.key, self.value)]
         return self.out(attend(*local, self.local_heads))
+
+
+def megatron_block(style: str, dense_shape, rank: int, world_size: int) -> tuple[int, int, int]:
+    """(dim, start, stop) of the (out, in) weight rank holds in Megatron's layout: column -> rows, row -> columns;
+    blocks of ceil(size / n), as torch.chunk cuts."""
+    dim = 0 if style == "column" else 1
+    size = dense_shape[dim]
+    block = -(-size // world_size)
+    return dim, min(rank * block, size), min((rank + 1) * block, size)
+
+
+def locate_shard(dense_weight: torch.Tensor, shard: torch.Tensor, first_dim: int = 0) -> tuple[int, int, int] | None:
+    """Where shard sits in dense_weight (out, in): (dim, start, stop) of the contiguous block it equals, else None.
+
+    Found by comparing values, not derived from the rank, so a wrong cut shows where it really is (or nowhere);
+    first_dim is tried first (it decides only when the shard is the whole weight).
+    """
+    for dim in (first_dim, 1 - first_dim):
+        other = 1 - dim
+        if shard.dim() != 2 or shard.shape[other] != dense_weight.shape[other]:
+            continue
+        size = shard.shape[dim]
+        for start in range(dense_weight.shape[dim] - size + 1):
+            if torch.equal(dense_weight.narrow(dim, start, size), shard):
+                return dim, start, start + size
+    return None
 
 
 def parameter_bytes(module: nn.Module) -> int:

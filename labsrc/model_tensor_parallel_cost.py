@@ -51,38 +51,50 @@ def crossover_tokens(hidden: int) -> float:
     return mlp_parameters(hidden) / (2 * hidden)
 
 
-def time_all_reduce(nbytes: int, device, repeats: int) -> float:
-    """Fastest of `repeats` timed dist.all_reduce calls on a float32 tensor of nbytes (one warm-up first)."""
-    tensor = torch.ones(max(1, nbytes // 4), device=device)
-    best = float("inf")
+def time_all_reduce(tensor: torch.Tensor, device) -> float:
+    """Seconds of one dist.all_reduce of tensor, all ranks starting together (barrier first)."""
+    dist.barrier()
+    start = time.perf_counter()
+    dist.all_reduce(tensor, async_op=True).wait(tp.ALL_REDUCE_TIMEOUT)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def time_all_reduces(sizes_bytes: list[int], device, repeats: int) -> dict:
+    """{payload bytes: fastest of `repeats` timed all-reduces} on float32 tensors, after one warm-up round.
+
+    The sizes are timed in interleaved rounds, so a burst of load from elsewhere on the machine slows one
+    round of every size rather than every repeat of one size.
+    """
+    tensors = {nbytes: torch.ones(max(1, nbytes // 4), device=device) for nbytes in sorted(set(sizes_bytes))}
+    best = dict.fromkeys(tensors, float("inf"))
     for repeat in range(repeats + 1):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(tensor, async_op=True).wait(tp.ALL_REDUCE_TIMEOUT)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if repeat:
-            best = min(best, time.perf_counter() - start)
+        for nbytes, tensor in tensors.items():
+            seconds = time_all_reduce(tensor, device)
+            if repeat:
+                best[nbytes] = min(best[nbytes], seconds)
     return best
 
 
 def fit_link(sizes_bytes: list[int], device, repeats: int) -> tuple[alpha_beta.AlphaBeta, dict]:
     """alpha-beta fitted to dist.all_reduce on these ranks (the whole collective, not one ring step)."""
-    seconds = {nbytes: time_all_reduce(nbytes, device, repeats) for nbytes in sizes_bytes}
+    seconds = time_all_reduces(sizes_bytes, device, repeats)
     return alpha_beta.fit(list(seconds), list(seconds.values())), seconds
 
 
 def compare(tokens_list: list[int], hidden: int, blocks: int, world_size: int, fitted: alpha_beta.AlphaBeta,
             device, repeats: int) -> list[dict]:
     """For each tokens-per-step: bytes, the fitted model's and the NVLink model's seconds, and measured seconds
-    (every all-reduce of a step run and timed on the ranks), for tensor and data parallelism."""
+    (the sum over a step's all-reduces of each one's size timed on the ranks), for tensor and data parallelism."""
+    schemes = [(tokens, scheme, messages) for tokens in tokens_list
+               for scheme, messages in (("tensor", tensor_parallel_messages(tokens, hidden, blocks)),
+                                        ("data", data_parallel_messages(hidden, blocks)))]
+    timed = time_all_reduces([nbytes for _, _, messages in schemes for nbytes in messages], device, repeats)
     rows = []
-    for tokens in tokens_list:
-        for scheme, messages in (("tensor", tensor_parallel_messages(tokens, hidden, blocks)),
-                                 ("data", data_parallel_messages(hidden, blocks))):
-            measured = sum(time_all_reduce(nbytes, device, repeats) for nbytes in messages)
-            rows.append({"tokens": tokens, "scheme": scheme, "messages": len(messages), "bytes": sum(messages),
-                         "predicted_s": predicted_seconds(messages, fitted.time_s),
-                         "nvlink_s": predicted_seconds(messages, ring_time(NVLINK_H100, world_size)),
-                         "measured_s": measured})
+    for tokens, scheme, messages in schemes:
+        rows.append({"tokens": tokens, "scheme": scheme, "messages": len(messages), "bytes": sum(messages),
+                     "predicted_s": predicted_seconds(messages, fitted.time_s),
+                     "nvlink_s": predicted_seconds(messages, ring_time(NVLINK_H100, world_size)),
+                     "measured_s": sum(timed[nbytes] for nbytes in messages)})
     return rows

@@ -140,6 +140,24 @@ def overlap_seconds(first: list[tuple[float, float]], second: list[tuple[float, 
                for start_a, end_a in first for start_b, end_b in second)
 
 
+def order_violations(intervals) -> list[dict]:
+    """Intervals that started before the message they need can have been sent, on the shared clock.
+
+    A forward of rank r needs rank r-1's activation of the same step, so it must start after rank r-1's
+    forward ended; a backward of rank r needs rank r+1's gradient, so it must start after rank r+1's backward
+    ended. Each violation: step, rank, phase, the rank it waits for, and how many seconds too early it began.
+    """
+    ends = {(i.rank, i.step, i.phase): i.end for i in intervals}
+    violations = []
+    for interval in intervals:
+        sender = interval.rank - 1 if interval.phase == "forward" else interval.rank + 1
+        needed = ends.get((sender, interval.step, interval.phase))
+        if needed is not None and interval.start < needed:
+            violations.append({"step": interval.step, "rank": interval.rank, "phase": interval.phase,
+                               "waits_for": sender, "early_s": needed - interval.start})
+    return violations
+
+
 def busy_overlap(intervals: list[Busy]) -> dict:
     """Busy time per rank, time two ranks were busy at once (summed over pairs), and that over all busy time."""
     by_rank: dict[int, list] = {}

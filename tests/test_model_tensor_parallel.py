@@ -68,6 +68,20 @@ def test_shards_cut_the_right_dimension():
     torch.testing.assert_close(torch.cat([tp.row_shard(weight, r, 2) for r in range(2)], 1), weight)
 
 
+def test_locate_shard_finds_blocks_by_value_and_rejects_strided_ones():
+    weight = torch.randn(8, 6)
+    assert tp.locate_shard(weight, tp.column_shard(weight, 1, 2)) == (0, 4, 8) == tp.megatron_block("column", [8, 6], 1, 2)
+    assert tp.locate_shard(weight, tp.row_shard(weight, 1, 2), first_dim=1) == (1, 3, 6) == tp.megatron_block("row", [8, 6], 1, 2)
+    assert tp.locate_shard(weight, weight[1::2].clone()) is None  # interleaved rows: no contiguous block
+    assert tp.locate_shard(weight, weight, first_dim=1) == (1, 0, 6)
+
+
+def test_a_shard_cut_along_the_wrong_dim_is_refused_by_name(monkeypatch):
+    monkeypatch.setattr(tp, "column_shard", tp.row_shard)
+    with pytest.raises(ValueError, match="does not keep all input features"):
+        tp.ColumnParallelLinear(torch.nn.Linear(6, 8), 0, 2, tp.Traffic())
+
+
 def naive_on_rank(ctx, layers):
     stack = naive.make_stack(layers, 64, ctx.device, seed=0)
     stage = naive.stage_of(stack, ctx.rank, ctx.world_size)
@@ -83,8 +97,18 @@ def test_naive_split_gradients_equal_dense_and_ranks_take_turns(world_size, laye
     assert sum(errors["parameters"] for errors, _ in results) == 2 * layers
     for errors, _ in results:
         assert errors["grad_error"] < 1e-6 and errors["loss_error"] < 1e-6
-    overlap = naive.busy_overlap([busy for _, timeline in results for busy in timeline])
+    intervals = [busy for _, timeline in results for busy in timeline]
+    overlap = naive.busy_overlap(intervals)
     assert overlap["overlap_fraction"] < 0.01, overlap
+    assert naive.order_violations(intervals) == []
+
+
+def test_order_violations_name_a_rank_that_started_before_receiving():
+    spans = [naive.Busy(0, 0, "forward", 0.0, 2.0), naive.Busy(1, 0, "forward", 1.5, 3.0),
+             naive.Busy(1, 0, "backward", 3.0, 4.0), naive.Busy(0, 0, "backward", 4.5, 5.0)]
+    assert naive.order_violations(spans) == [{"step": 0, "rank": 1, "phase": "forward", "waits_for": 0, "early_s": 0.5}]
+    spans[3] = naive.Busy(0, 0, "backward", 3.5, 5.0)
+    assert [v["phase"] for v in naive.order_violations(spans)] == ["forward", "backward"]
 
 
 def test_busy_overlap_counts_simultaneous_time():

@@ -47,8 +47,8 @@ class Options(LabOptions):
     """MLP blocks in the cost comparison."""
     cost_tokens: tuple[int, ...] = (16, 256, 4096)
     """Tokens per step (batch x sequence) compared; the crossover is near 4 * cost_hidden."""
-    repeats: int = 5
-    """Timed repeats of each all-reduce (the fastest counts)."""
+    repeats: int = 10
+    """Timed rounds over every all-reduce size, interleaved (the fastest of each size counts)."""
 
     def validate(self) -> None:
         super().validate()
@@ -107,7 +107,8 @@ class BlockCheck(Record):
 
 @dataclass
 class ShardLayout(Record):
-    """Which part of a dense weight this rank holds: rows or columns [start, stop) of a (out, in) weight."""
+    """Which part of a dense weight this rank holds: rows (dim 0) or columns (dim 1) [start, stop) of a (out, in)
+    weight, located by value in the dense weight; dim, start and stop are -1 when the shard is no such block."""
 
     KIND: ClassVar[str] = "shard"
     block: str
@@ -192,24 +193,26 @@ def block_experiments(ctx, records, options: Options) -> None:
             traffic.payload_bytes["forward"], traffic.payload_bytes["backward"], expected["forward"],
             expected["backward"], tp.ring_bytes_sent(traffic.total_bytes, ctx.world_size),
             tp.parameter_bytes(parallel), tp.parameter_bytes(dense), tp.replicated_bytes(parallel)))
-        write_shards(records, block, dense, ctx.rank, ctx.world_size)
+        write_shards(records, block, dense, parallel)
 
 
-def write_shards(records, block: str, dense, rank: int, world_size: int) -> None:
-    """One ShardLayout record per weight of the block: the layout figure draws these."""
-    styles = {"fc1": "column", "fc2": "row", "query": "column", "key": "column", "value": "column", "out": "row"}
-    for name, layer in dense.named_children():
-        dim = 0 if styles[name] == "column" else 1
-        size = layer.weight.shape[dim]
-        start, stop = rank * size // world_size, (rank + 1) * size // world_size
-        shard_shape = list(layer.weight.shape)
-        shard_shape[dim] = stop - start
-        records.write(ShardLayout(block, name, styles[name], list(layer.weight.shape), shard_shape, dim, start, stop))
+def write_shards(records, block: str, dense, parallel) -> None:
+    """One ShardLayout record per weight of the block: where this rank's shard really sits in the dense weight,
+    found by comparing values (dim -1 when it is no contiguous block of it). The layout figure draws these."""
+    dense_layers = dict(dense.named_children())
+    for name, layer in parallel.named_children():
+        if not isinstance(layer, (tp.ColumnParallelLinear, tp.RowParallelLinear)):
+            continue
+        style = "column" if isinstance(layer, tp.ColumnParallelLinear) else "row"
+        dense_weight, shard = dense_layers[name].weight.detach(), layer.weight.detach()
+        found = tp.locate_shard(dense_weight, shard, first_dim=0 if style == "column" else 1)
+        dim, start, stop = found if found else (-1, -1, -1)
+        records.write(ShardLayout(block, name, style, list(dense_weight.shape), list(shard.shape), dim, start, stop))
 
 
 def library_device(ctx):
-    """Where the DTensor checks run: the ranks' GPU under NCCL; under gloo, the CPU backend, CPU tensors (the
-    setting checked on torch 2.11-2.14), also when gloo ranks share a GPU."""
+    """Where the DTensor checks run: the ranks' GPU under NCCL; under gloo, CPU tensors (the setting the CI
+    checks run in), also when gloo ranks share a GPU."""
     return ctx.device if ctx.backend == "nccl" else torch.device("cpu")
 
 
@@ -263,7 +266,8 @@ def model_tensor_parallel_lab(ctx, records, options: Options) -> dict:
     records.progress(3, len(steps))
     link = cost_experiments(ctx, records, options)
     records.progress(4, len(steps))
-    return {"link": link, "hidden": options.hidden, "heads": options.heads, "tokens": options.batch * options.seq,
+    return {"link": link, "hidden": options.hidden, "heads": options.heads, "batch": options.batch,
+            "seq": options.seq, "tokens": options.batch * options.seq,
             "cost_hidden": options.cost_hidden, "cost_blocks": options.cost_blocks, "experiments": list(steps)}
 
 

@@ -19,6 +19,10 @@ def shard_layout(result, block: str = "mlp"):
         rows, columns = pieces[0].dense_shape
         for piece in pieces:
             colour = RANK_COLOURS[piece.rank % len(RANK_COLOURS)]
+            if piece.dim < 0:  # the shard is no contiguous block of the dense weight: nothing to draw
+                ax.text(columns / 2, rows * (0.2 + 0.6 * piece.rank / len(pieces)),
+                        f"rank {piece.rank}: not a block", ha="center", color=colour)
+                continue
             if piece.dim == 0:  # a block of rows: output features
                 box = Rectangle((0, rows - piece.stop), columns, piece.stop - piece.start, color=colour, alpha=0.6)
             else:  # a block of columns: input features
