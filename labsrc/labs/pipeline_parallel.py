@@ -1,0 +1,160 @@
+"""Pipeline parallelism on p ranks: gradients of every schedule vs the unsplit model, the bubble, activation memory.
+
+    python -m labsrc.launch --nproc 2 pipeline_parallel
+    torchrun --nproc-per-node 2 -m labsrc.labs.pipeline_parallel --repeats 5
+One launch runs every experiment: the gradient checks (hand-written naive, GPipe and 1F1B; torch's GPipe, 1F1B
+and interleaved 1F1B), the timed GPipe sweep over micro-batch counts, a timed 1F1B step, saved-tensor peaks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from labsrc.core.lab import run_lab
+from labsrc.core.options import LabOptions, positive
+from labsrc.core.runs import Record
+from labsrc.core.world import RequestError
+from labsrc.pipeline_parallel import experiments, schedules
+from labsrc.pipeline_parallel.library import LIBRARY_SCHEDULES
+
+
+@dataclass
+class Options(LabOptions):
+    """Pipeline schedules on p ranks, one stage per rank (two when interleaved)."""
+
+    micro_batches: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    """Micro-batch counts m of the timed GPipe sweep (the bubble against (p-1)/(m+p-1))."""
+    check_micro_batches: int = 4
+    """m for the gradient checks, the 1F1B timing and the Gantt charts (interleaved needs a multiple of p)."""
+    check_batch: int = 8
+    """Samples in the gradient checks' batch; check_micro_batches must divide it."""
+    memory_micro_batches: int = 8
+    """m for the saved-tensor peaks of GPipe and 1F1B."""
+    repeats: int = 3
+    """Timed repetitions of the sweep; the least disturbed one (smallest idle fraction) is kept per m."""
+    box_ms: float = 40.0
+    """Each timed F and B lasts at least this long (compute, then a wait): equal boxes, as the formula assumes."""
+    width: int = 256
+    """Features of every layer of the timed model."""
+    blocks_per_stage: int = 2
+    """Linear+Tanh blocks on each stage of the timed model."""
+    micro_batch_size: int = 32
+    """Samples in one micro-batch of the timed runs (the batch grows with m, so every box costs the same)."""
+
+    def validate(self) -> None:
+        super().validate()
+        if not self.micro_batches or min(self.micro_batches) < 1:
+            raise RequestError(f"micro_batches must be counts of 1 or more (got {self.micro_batches}).")
+        for name in ("check_micro_batches", "check_batch", "memory_micro_batches", "repeats", "width",
+                     "blocks_per_stage", "micro_batch_size"):
+            positive(name, getattr(self, name))
+        positive("box_ms", self.box_ms, allow_zero=True)
+        if self.check_batch % self.check_micro_batches:
+            raise RequestError(f"check_micro_batches {self.check_micro_batches} must divide check_batch "
+                               f"{self.check_batch}: every micro-batch holds the same number of samples.")
+
+
+@dataclass
+class GradientCheck(Record):
+    """Largest |gradient - unsplit model's gradient| over the parameters this rank's stage(s) hold."""
+
+    KIND: ClassVar[str] = "gradient_check"
+    implementation: str
+    """hand-written or torch.distributed.pipelining."""
+    schedule: str
+    """naive, gpipe, 1f1b or interleaved_1f1b."""
+    micro_batches: int
+    max_error: float
+
+
+@dataclass
+class ActionTiming(Record):
+    """When one F or B ran on one stage (perf_counter seconds, one clock for the machine)."""
+
+    KIND: ClassVar[str] = "action_timing"
+    schedule: str
+    micro_batches: int
+    repeat: int
+    stage: int
+    action: str
+    """F or B."""
+    micro_batch: int
+    start: float
+    end: float
+
+
+@dataclass
+class MemoryPeak(Record):
+    """Peak bytes of activations saved for backward on one stage during one step."""
+
+    KIND: ClassVar[str] = "memory_peak"
+    schedule: str
+    micro_batches: int
+    stage: int
+    stages: int
+    peak_bytes: int
+    micro_batch_bytes: int
+    """What one micro-batch's forward saves on this stage."""
+    in_flight: int
+    """Most micro-batches forwarded and not yet backwarded, counted on the action list."""
+    cuda_peak_bytes: int | None
+    """Peak CUDA memory above the start of the step (None on the CPU)."""
+
+
+def check_gradients(ctx, records, options: Options) -> None:
+    m, batch = options.check_micro_batches, options.check_batch
+    for schedule in schedules.SCHEDULES:
+        error = experiments.hand_written_error(ctx, schedule, m, batch=batch, timeout_s=options.pg_timeout_s)
+        used = schedules.effective_micro_batches(schedule, m)
+        records.write(GradientCheck(implementation="hand-written", schedule=schedule, micro_batches=used,
+                                    max_error=error))
+    for schedule in LIBRARY_SCHEDULES:
+        error = experiments.library_error(ctx, schedule, m, batch=batch)
+        records.write(GradientCheck(implementation="torch.distributed.pipelining", schedule=schedule,
+                                    micro_batches=m, max_error=error))
+
+
+def time_schedules(ctx, records, options: Options) -> None:
+    sizes = dict(width=options.width, blocks_per_stage=options.blocks_per_stage,
+                 micro_batch_size=options.micro_batch_size, box_s=options.box_ms / 1000,
+                 timeout_s=options.pg_timeout_s)
+    experiments.timed_schedule(ctx, "gpipe", 2, **sizes)   # warm-up, not recorded
+    runs = [("gpipe", m, repeat) for repeat in range(options.repeats) for m in options.micro_batches]
+    runs += [("1f1b", options.check_micro_batches, 0)]
+    for done, (schedule, m, repeat) in enumerate(runs):
+        for event in experiments.timed_schedule(ctx, schedule, m, **sizes):
+            records.write(ActionTiming(schedule=schedule, micro_batches=m, repeat=repeat, stage=ctx.rank, **event))
+        records.progress(done + 1, len(runs))
+
+
+def measure_memory(ctx, records, options: Options) -> None:
+    for schedule in ("gpipe", "1f1b"):
+        peak = experiments.saved_tensor_peak(ctx, schedule, options.memory_micro_batches,
+                                             timeout_s=options.pg_timeout_s)
+        records.write(MemoryPeak(schedule=schedule, micro_batches=options.memory_micro_batches, stage=ctx.rank,
+                                 stages=ctx.world_size, **peak))
+
+
+def pipeline_experiments(ctx, records, options: Options) -> dict:
+    if ctx.world_size < 2:
+        raise RequestError("a pipeline needs at least 2 ranks: launch with nproc=2 or more.")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # one core per stage, as one GPU per stage would be
+    try:
+        check_gradients(ctx, records, options)
+        measure_memory(ctx, records, options)
+        time_schedules(ctx, records, options)
+    finally:
+        torch.set_num_threads(threads)
+    return {"stages": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device), "box_ms": options.box_ms,
+            "torch": torch.__version__}
+
+
+def main(argv=None):
+    return run_lab("pipeline_parallel", pipeline_experiments, Options, argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""Numbers lesson 08 asserts, from the lab's records: timelines, measured idle fractions, activation peaks."""
+from __future__ import annotations
+
+from labsrc.pipeline_parallel import schedules
+
+
+def timeline_of(timings: list, schedule: str, micro_batches: int, repeat: int = 0) -> list[list[dict]]:
+    """Per stage, its actions in the order they ran: [{"action", "micro_batch", "start", "end"}].
+
+    timings: ActionTiming records (objects with schedule, micro_batches, repeat, stage, action, ...).
+    Times are made relative to the first start on any stage.
+    """
+    chosen = [t for t in timings if (t.schedule, t.micro_batches, t.repeat) == (schedule, micro_batches, repeat)]
+    if not chosen:
+        raise KeyError(f"no timings of {schedule} with m={micro_batches}, repeat {repeat}")
+    origin = min(t.start for t in chosen)
+    stages = max(t.stage for t in chosen) + 1
+    timeline: list[list[dict]] = [[] for _ in range(stages)]
+    for t in sorted(chosen, key=lambda t: t.start):
+        timeline[t.stage].append({"action": t.action, "micro_batch": t.micro_batch,
+                                  "start": t.start - origin, "end": t.end - origin})
+    return timeline
+
+
+def bubble_sweep(timings: list, schedule: str = "gpipe") -> dict[int, dict]:
+    """{m: {"repeats": idle fraction of each repeat, "measured": the smallest, "formula": (p-1)/(m+p-1)}}.
+
+    A repeat's idle fraction is the mean over stages of schedules.idle_fractions. Load from other work on
+    the machine only ever adds idle time, so the least disturbed repeat is the smallest.
+    """
+    sweep: dict[int, dict] = {}
+    for m in sorted({t.micro_batches for t in timings if t.schedule == schedule}):
+        repeats = sorted({t.repeat for t in timings if (t.schedule, t.micro_batches) == (schedule, m)})
+        fractions = []
+        for repeat in repeats:
+            timeline = timeline_of(timings, schedule, m, repeat)
+            fractions.append(sum(schedules.idle_fractions(timeline)) / len(timeline))
+            stages = len(timeline)
+        sweep[m] = {"repeats": fractions, "measured": min(fractions),
+                    "formula": schedules.bubble_formula(stages, m)}
+    return sweep
+
+
+def ideal_timeline(schedule: str, stages: int, micro_batches: int, box_s: float) -> list[list[dict]]:
+    """The schedule's timeline with every box box_s long and messages free (schedules.simulate)."""
+    lists = [schedules.actions_for(schedule, s, stages, micro_batches) for s in range(stages)]
+    return schedules.simulate(lists, box_s, box_s)
+
+
+def activation_peaks(peaks: list) -> dict[tuple[str, int], dict]:
+    """{(schedule, stage): {"peak_bytes", "micro_batches_alive", "expected"}} from MemoryPeak records.
+
+    micro_batches_alive: the peak in units of one micro-batch's saved bytes; expected: m for GPipe,
+    min(m, p - stage) for 1F1B.
+    """
+    table = {}
+    for record in peaks:
+        expected = (record.micro_batches if record.schedule == "gpipe"
+                    else min(record.micro_batches, record.stages - record.stage))
+        table[(record.schedule, record.stage)] = {
+            "peak_bytes": record.peak_bytes, "micro_batches_alive": record.peak_bytes / record.micro_batch_bytes,
+            "expected": expected, "cuda_peak_bytes": record.cuda_peak_bytes}
+    return table

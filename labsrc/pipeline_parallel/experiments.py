@@ -1,0 +1,96 @@
+"""What one rank runs for each experiment of lesson 08: gradient checks, a timed schedule, saved-tensor peaks."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from labsrc.pipeline_parallel import schedules
+from labsrc.pipeline_parallel.executor import SavedTensorMeter, run_stage
+from labsrc.pipeline_parallel.library import run_library_schedule
+from labsrc.pipeline_parallel.stages import (full_batch_loss, gradient_error, make_batch, make_model, split_model,
+                                             unsplit_gradients)
+
+ActionsFunction = Callable[[int, int, int], list]
+"""(stage, stages, micro_batches) -> that stage's action list."""
+
+
+def hand_written_error(ctx, schedule: str | ActionsFunction, micro_batches: int, width: int = 16,
+                       batch: int = 8, seed: int = 0, timeout_s: float = 30.0) -> float:
+    """Largest gradient difference between this rank's stage, trained by a hand-written schedule, and the unsplit model.
+
+    schedule: a name in schedules.SCHEDULES or a function giving the action lists. The model has
+    2 blocks per stage; the batch [batch, width] is cut into micro_batches (naive: 1).
+    """
+    stages = ctx.world_size
+    if isinstance(schedule, str):
+        micro_batches = schedules.effective_micro_batches(schedule, micro_batches)
+        actions = schedules.actions_for(schedule, ctx.rank, stages, micro_batches)
+    else:
+        actions = schedule(ctx.rank, stages, micro_batches)
+    model = make_model(width, 2 * stages, seed)
+    inputs, targets = make_batch(batch, width, seed, ctx.device)
+    reference = unsplit_gradients(model, inputs, targets)
+    part = split_model(model, stages, ctx.device)[ctx.rank]
+    run_stage(part[1], actions, ctx.rank, stages, inputs, targets, micro_batches, timeout_s)
+    return gradient_error(part, reference)
+
+
+def library_error(ctx, schedule: str, micro_batches: int, width: int = 16, batch: int = 8, seed: int = 0) -> float:
+    """The same comparison for torch.distributed.pipelining's schedule (interleaved: 2 stages a rank)."""
+    stages = 2 * ctx.world_size if schedule == "interleaved_1f1b" else ctx.world_size
+    # gloo moves CPU tensors only: ranks sharing a GPU through gloo run torch's schedules on the CPU
+    device = torch.device("cpu") if ctx.backend == "gloo" else ctx.device
+    model = make_model(width, 2 * ctx.world_size, seed)
+    inputs, targets = make_batch(batch, width, seed, device)
+    reference = unsplit_gradients(model, inputs, targets)
+    parts = split_model(model, stages, device)
+    held = run_library_schedule(schedule, parts, ctx.rank, ctx.world_size, inputs, targets, micro_batches)
+    return max(gradient_error(part, reference) for part in held)
+
+
+def timed_schedule(ctx, schedule: str, micro_batches: int, width: int, blocks_per_stage: int,
+                   micro_batch_size: int, box_s: float = 0.0, timeout_s: float = 60.0) -> list[dict]:
+    """This stage's timeline for one step of a schedule; every micro-batch has micro_batch_size samples.
+
+    The batch grows with micro_batches so each box costs the same whatever m is. Ranks start together
+    (a barrier); times are perf_counter seconds, one clock for every rank of one machine. box_s: see
+    executor.run_stage (0: every box lasts as long as its compute).
+    """
+    stages = ctx.world_size
+    model = make_model(width, blocks_per_stage * stages, seed=0)
+    _, module = split_model(model, stages, ctx.device)[ctx.rank]
+    inputs, targets = make_batch(micro_batch_size * micro_batches, width, 0, ctx.device)
+    actions = schedules.actions_for(schedule, ctx.rank, stages, micro_batches)
+    dist.barrier()
+    return run_stage(module, actions, ctx.rank, stages, inputs, targets, micro_batches, timeout_s, box_s=box_s)
+
+
+def saved_tensor_peak(ctx, schedule: str, micro_batches: int, width: int = 64, micro_batch_size: int = 8,
+                      timeout_s: float = 30.0) -> dict:
+    """Peak bytes of activations saved for backward on this stage during one step, and one micro-batch's worth.
+
+    Also the peak CUDA memory above the start (None on the CPU).
+    """
+    stages = ctx.world_size
+    model = make_model(width, 2 * stages, seed=0)
+    _, module = split_model(model, stages, ctx.device)[ctx.rank]
+    inputs, targets = make_batch(micro_batch_size * micro_batches, width, 0, ctx.device)
+    one = SavedTensorMeter(module)
+    with torch.autograd.graph.saved_tensors_hooks(one.pack, one.unpack):
+        outputs = module(inputs[:micro_batch_size])       # what one F keeps, the last stage's loss included
+        if ctx.rank == stages - 1:
+            full_batch_loss(outputs, targets[:micro_batch_size])
+        del outputs
+    cuda = ctx.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(ctx.device)
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+        baseline = torch.cuda.memory_allocated(ctx.device)
+    meter = SavedTensorMeter(module)
+    actions = schedules.actions_for(schedule, ctx.rank, stages, micro_batches)
+    run_stage(module, actions, ctx.rank, stages, inputs, targets, micro_batches, timeout_s, meter)
+    cuda_peak = torch.cuda.max_memory_allocated(ctx.device) - baseline if cuda else None
+    return {"peak_bytes": meter.peak, "micro_batch_bytes": one.peak, "cuda_peak_bytes": cuda_peak,
+            "in_flight": schedules.peak_in_flight(actions)}

@@ -1,0 +1,137 @@
+"""Every pipeline schedule, hand-written or torch's, gives the unsplit model's gradients; bubble and memory formulas hold."""
+import pytest
+import torch
+
+from labsrc.core.forked import RankError, run_ranks
+from labsrc.core.world import RequestError
+from labsrc.labs import pipeline_parallel as lab
+from labsrc.pipeline_parallel import analysis, experiments, schedules
+from labsrc.pipeline_parallel.executor import run_stage
+from labsrc.pipeline_parallel.library import run_library_schedule
+from labsrc.pipeline_parallel.stages import (assert_part_matches, make_batch, make_model, split_model,
+                                             unsplit_gradients)
+
+
+def _hand_written_matches(ctx, schedule, micro_batches):
+    stages = ctx.world_size
+    model = make_model(8, 2 * stages, seed=3)
+    inputs, targets = make_batch(12, 8, seed=3)
+    reference = unsplit_gradients(model, inputs, targets)
+    part = split_model(model, stages)[ctx.rank]
+    m = schedules.effective_micro_batches(schedule, micro_batches)
+    actions = schedules.actions_for(schedule, ctx.rank, stages, m)
+    run_stage(part[1], actions, ctx.rank, stages, inputs, targets, m, timeout_s=20)
+    assert_part_matches(part, reference)
+    return len(actions)
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(2, 4), (3, 3), (2, 6)])
+@pytest.mark.parametrize("schedule", ["naive", "gpipe", "1f1b"])
+def test_hand_written_schedule_gradients_equal_unsplit(schedule, stages, micro_batches):
+    counts = run_ranks(_hand_written_matches, stages, args=(schedule, micro_batches))
+    assert counts == [2 * schedules.effective_micro_batches(schedule, micro_batches)] * stages
+
+
+def _library_matches(ctx, schedule, micro_batches):
+    stages = 2 * ctx.world_size if schedule == "interleaved_1f1b" else ctx.world_size
+    model = make_model(8, 2 * ctx.world_size, seed=5)
+    inputs, targets = make_batch(8, 8, seed=5)
+    reference = unsplit_gradients(model, inputs, targets)
+    held = run_library_schedule(schedule, split_model(model, stages), ctx.rank, ctx.world_size, inputs, targets,
+                                micro_batches)
+    for part in held:
+        assert_part_matches(part, reference)
+    return [list(blocks) for blocks, _ in held]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+def test_torch_pipelining_gradients_equal_unsplit(schedule):
+    held = run_ranks(_library_matches, 2, args=(schedule, 4))
+    expected = [[[0], [2]], [[1], [3]]] if schedule == "interleaved_1f1b" else [[[0, 1]], [[2, 3]]]
+    assert held == expected   # round-robin: rank r holds stages r and r + p
+
+
+def test_hand_written_and_torch_agree():
+    hand = run_ranks(experiments.hand_written_error, 2, args=("1f1b", 4))
+    torch_ = run_ranks(experiments.library_error, 2, args=("1f1b", 4))
+    assert max(hand) < 1e-6 and max(torch_) < 1e-6
+
+
+def _skips_last(stage, stages, micro_batches):
+    actions = schedules.gpipe_actions(stage, stages, micro_batches)
+    return [a for a in actions if a[1] != micro_batches - 1] if stage == 1 else actions
+
+
+def test_a_stage_that_skips_a_micro_batch_fails_within_its_timeout():
+    with pytest.raises(RankError):
+        run_ranks(experiments.hand_written_error, 2, args=(_skips_last, 4), kwargs={"timeout_s": 2.0},
+                  timeout_s=30)
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(2, 1), (2, 8), (4, 3), (4, 8), (3, 5)])
+@pytest.mark.parametrize("backward", [1.0, 2.0])
+def test_ideal_gpipe_and_1f1b_bubble_is_the_formula(stages, micro_batches, backward):
+    for schedule in ("gpipe", "1f1b"):
+        lists = [schedules.actions_for(schedule, s, stages, micro_batches) for s in range(stages)]
+        idle = schedules.idle_fractions(schedules.simulate(lists, 1.0, backward))
+        assert idle == pytest.approx([schedules.bubble_formula(stages, micro_batches)] * stages)
+
+
+def test_schedule_lists_are_valid_and_1f1b_keeps_at_most_p_minus_stage():
+    for stages, m in [(2, 4), (4, 8), (4, 2)]:
+        for stage in range(stages):
+            for schedule in ("gpipe", "1f1b"):
+                assert schedules.schedule_problems(schedules.actions_for(schedule, stage, stages, m), stage, m) == []
+            assert schedules.peak_in_flight(schedules.gpipe_actions(stage, stages, m)) == m
+            assert schedules.peak_in_flight(schedules.one_f_one_b_actions(stage, stages, m)) == min(m, stages - stage)
+    assert schedules.schedule_problems([("B", 0), ("F", 0)], 1, 1) == ["micro-batch 0's backward comes before its forward on stage 1"]
+
+
+def test_simulate_reports_stages_waiting_on_each_other():
+    with pytest.raises(ValueError, match="wait on each other"):
+        schedules.simulate([[("F", 0), ("B", 0)], [("B", 0), ("F", 0)]])
+
+
+def test_saved_activation_peaks_follow_the_schedule():
+    peaks = run_ranks(experiments.saved_tensor_peak, 2, args=("gpipe", 6))
+    peaks += run_ranks(experiments.saved_tensor_peak, 2, args=("1f1b", 6))
+    records = [lab.MemoryPeak(schedule=s, micro_batches=6, stage=r, stages=2, **peak)
+               for s, pair in (("gpipe", peaks[:2]), ("1f1b", peaks[2:])) for r, peak in enumerate(pair)]
+    table = analysis.activation_peaks(records)
+    assert {key: row["micro_batches_alive"] for key, row in table.items()} == {
+        ("gpipe", 0): 6, ("gpipe", 1): 6, ("1f1b", 0): 2, ("1f1b", 1): 1}
+
+
+def _timed(ctx):
+    return experiments.timed_schedule(ctx, "gpipe", 3, width=16, blocks_per_stage=1, micro_batch_size=4,
+                                      box_s=0.01)
+
+
+def test_timed_schedule_records_every_box_in_list_order():
+    timeline = run_ranks(_timed, 2)
+    for events in timeline:
+        assert [(e["action"], e["micro_batch"]) for e in events] == schedules.gpipe_actions(0, 2, 3)
+        assert all(e["end"] - e["start"] >= 0.01 for e in events)
+    assert timeline[1][0]["start"] >= timeline[0][0]["end"]   # stage 1's F0 needs stage 0's F0 first
+
+
+@pytest.mark.parametrize("values,message", [
+    ({"micro_batches": (0, 2)}, "micro_batches"),
+    ({"check_micro_batches": 3}, "must divide check_batch"),
+    ({"repeats": 0}, "repeats"),
+])
+def test_options_refuse_what_cannot_run(values, message):
+    with pytest.raises(RequestError, match=message):
+        lab.Options.make(**values)
+
+
+def test_lab_launch_records_every_experiment():
+    from labsrc.core import launch
+    result = launch.run("pipeline_parallel", nproc=2, timeout=240, echo=False, micro_batches=(1, 2), repeats=1,
+                        box_ms=5, memory_micro_batches=4)
+    checks = result.of(lab.GradientCheck)
+    assert len(checks) == 2 * 6 and max(c.max_error for c in checks) < 1e-6
+    sweep = analysis.bubble_sweep(result.of(lab.ActionTiming))
+    assert sorted(sweep) == [1, 2]
+    assert analysis.timeline_of(result.of(lab.ActionTiming), "1f1b", 4)[0][0]["action"] == "F"
+    assert {(p.schedule, p.stage) for p in result.of(lab.MemoryPeak)} == {(s, r) for s in ("gpipe", "1f1b") for r in (0, 1)}
