@@ -1,0 +1,107 @@
+"""Training runs of the hand-written ZeRO stages on this rank: bytes held, bytes sent, parameters against one process."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from labsrc.memory_sharding import FP32, MIXED, deep_mlp, held_bytes, optimizer_state_bytes
+from labsrc.memory_sharding_zero import ShardedOptimizer, Traffic, all_reduce_counted, flatten, unflatten_into
+from labsrc.memory_sharding_zero3 import FullyShardedModel
+
+
+def make_batches(steps: int, batch: int, inputs: int = 16, outputs: int = 4, seed: int = 0) -> list:
+    """[(x (batch, inputs), y (batch, outputs))] the same on every rank; each rank trains on its slice."""
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, inputs, generator=generator), torch.randn(batch, outputs, generator=generator))
+            for _ in range(steps)]
+
+
+def unsharded_trajectory(depth: int, width: int, batches, lr: float) -> list[dict]:
+    """Parameters after every AdamW step of one process on whole batches: the reference."""
+    model = deep_mlp(depth, width)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    trajectory = []
+    for x, y in batches:
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        trajectory.append({name: p.detach().clone() for name, p in model.named_parameters()})
+    return trajectory
+
+
+def _local(ctx, x, y):
+    return x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]
+
+
+def ddp_by_hand(ctx, depth: int, width: int, batches, lr: float, traffic: Traffic) -> dict:
+    """Stage 0: every rank holds everything, gradients all-reduced as one flat buffer. Returns bytes held."""
+    model = deep_mlp(depth, width)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    held = {}
+    for x, y in batches:
+        x, y = _local(ctx, x, y)
+        nn.functional.mse_loss(model(x), y).backward()
+        grads = [p.grad for p in model.parameters()]
+        flat = flatten(grads, ctx.world_size)
+        all_reduce_counted(flat, traffic)
+        unflatten_into(flat / ctx.world_size, grads)
+        held = {"parameters": held_bytes(model.parameters()), "gradients": held_bytes(grads),
+                "optimizer": optimizer_state_bytes(optimizer)}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    return {"held": held, "layout": FP32.key}
+
+
+def sharded_optimizer_run(ctx, stage: int, depth: int, width: int, batches, lr: float, traffic: Traffic,
+                          dtype=torch.float32, trajectory=None) -> dict:
+    """Stage 1 or 2 with ShardedOptimizer; bytes held measured after gradient sync (from the second step, when
+    the optimizer state exists); the largest gap to the reference after each step (fp32 only)."""
+    model = deep_mlp(depth, width).to(dtype)
+    optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, traffic=traffic, lr=lr)
+    held, gaps = {}, []
+    for index, (x, y) in enumerate(batches):
+        x, y = _local(ctx, x.to(dtype), y.to(dtype))
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.synchronize_gradients()
+        held = {"parameters": held_bytes(model.parameters()), "gradients": optimizer.gradient_bytes(),
+                "optimizer": optimizer.state_bytes()}
+        optimizer.step()
+        optimizer.zero_grad()
+        if trajectory is not None:
+            gaps.append(largest_gap(dict(model.named_parameters()), trajectory[index]))
+    return {"held": held, "gaps": gaps, "layout": MIXED.key if dtype != torch.float32 else "fp32_master"}
+
+
+def fully_sharded_run(ctx, depth: int, width: int, batches, lr: float, traffic: Traffic,
+                      compute_dtype=None, trajectory=None) -> dict:
+    """Stage 3 with FullyShardedModel: bytes held, full weights alive between forward and backward, gaps."""
+    model = FullyShardedModel(deep_mlp(depth, width), traffic, compute_dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    held, gaps, alive = {}, [], []
+    for index, (x, y) in enumerate(batches):
+        x, y = _local(ctx, x, y)
+        loss = nn.functional.mse_loss(model(x), y)
+        alive.append(model.full_weights_alive())
+        loss.backward()
+        model.finish_gradient_sync()
+        held = {"parameters": held_bytes(model.parameters()),
+                "gradients": held_bytes(p.grad for p in model.parameters()),
+                "optimizer": optimizer_state_bytes(optimizer)}
+        optimizer.step()
+        optimizer.zero_grad()
+        if trajectory is not None:
+            gaps.append(largest_gap(model.full_state_dict(), trajectory[index]))
+    return {"held": held, "gaps": gaps, "alive_after_forward": max(alive), "layout": FP32.key}
+
+
+def largest_gap(parameters: dict, reference: dict) -> float:
+    """Largest |parameter - reference| over every parameter (names as in deep_mlp)."""
+    return max(float((parameters[name].detach().float() - value).abs().max()) for name, value in reference.items())
+
+
+def spread_across_ranks(value: float) -> float:
+    """Largest minus smallest of a number over ranks (0 when every rank holds the same)."""
+    tensor = torch.tensor([value, -value], dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return float(tensor[0] + tensor[1])
