@@ -1,0 +1,116 @@
+"""Checkers for notebook 11's exercises: the bounded-staleness admission check, and local SGD's averaging step."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from labsrc import async_parameter_server as ps
+from labsrc import async_parameter_server_analysis as analysis
+from labsrc import async_parameter_server_local_sgd as local
+from labsrc.core.exercises import ExerciseFailed, on_ranks, passed
+
+PROBLEM = ps.Problem(features=8, samples=256, batch=8, seed=5)
+CASES = [(server, gradient, bound) for bound in (0, 1, 3) for server in range(6) for gradient in range(server + 1)]
+
+
+def _admit_verdict(admit: Callable) -> str | None:
+    """What the learner's admit gets wrong over every (server_version, gradient_version, bound) case, in words."""
+    wrong = []
+    for server, gradient, bound in CASES:
+        got = admit(server, gradient, bound)
+        if not isinstance(got, (bool, torch.Tensor)) and got not in (0, 1):
+            return f"admit must return True or False, not {got!r}."
+        if bool(got) != (server - gradient <= bound):
+            wrong.append((server, gradient, bound))
+    if not wrong:
+        return None
+    if all(server - gradient == bound for server, gradient, bound in wrong):
+        server, gradient, bound = wrong[0]
+        return (f"a gradient exactly {bound} updates old (server version {server}, gradient version {gradient}) "
+                f"was rejected with bound {bound}: the bound is the largest staleness admitted, so use <=.")
+    admitted = [case for case in wrong if case[0] - case[1] > case[2]]
+    if admitted:
+        server, gradient, bound = admitted[0]
+        return (f"a gradient {server - gradient} updates old (server version {server}, gradient version {gradient}) "
+                f"was admitted with bound {bound}: staleness is server_version - gradient_version, and it must not "
+                "exceed the bound.")
+    server, gradient, bound = wrong[0]
+    return (f"a gradient {server - gradient} updates old (server version {server}, gradient version {gradient}) was "
+            f"rejected with bound {bound}: staleness is server_version - gradient_version, and it is admitted while "
+            "it is at most the bound.")
+
+
+def _bounded_rank(ctx, admit: Callable, bound: int) -> str | None:
+    """On forked ranks: a bounded server using the learner's admit; rank 0 checks staleness and the replay."""
+    settings = ps.Settings("bounded", (1, 2), 40, 0.2, bound, (0.001, 0.006), 0.3, 30.0)
+    data = ps.make_data(PROBLEM)
+    result = ps.run(ctx.rank, data, PROBLEM, settings, admit)
+    if ctx.rank != 0:
+        return None
+    applied = [u for u in result["updates"] if u["applied"]]
+    worst = max(u["staleness"] for u in applied)
+    if worst > bound:
+        return f"the server applied a gradient {worst} updates old with bound {bound}."
+    replayed = analysis.replay(data, PROBLEM, "bounded", settings.lr, 2, result["updates"])
+    if not torch.equal(replayed, result["parameters"]):
+        return "the server's parameters differ from a replay of its own records."
+    return None
+
+
+def check_admit(admit: Callable, bound: int = 1) -> None:
+    """admit(server_version, gradient_version, bound) -> bool: True when the gradient is at most bound updates old.
+
+    Checked on a table of versions, then inside a bounded parameter server on 3 forked gloo ranks.
+    """
+    verdict = _admit_verdict(admit)
+    if verdict:
+        raise ExerciseFailed(verdict)
+    on_ranks(_bounded_rank, 3, (admit, bound), timeout_s=60)
+    passed(f"every staleness from 0 to 5 judged right for bounds 0, 1, 3; on 3 ranks the server applied nothing "
+           f"staler than {bound} and its parameters replay bit for bit")
+
+
+def _average_rank(ctx, average: Callable) -> str | None:
+    """On one rank: distinct parameters in, the mean over ranks out, in place; then local SGD with it."""
+    generator = torch.Generator().manual_seed(ctx.rank)
+    mine = torch.randn(6, generator=generator)
+    everyone = [torch.randn(6, generator=torch.Generator().manual_seed(r)) for r in range(ctx.world_size)]
+    mean, total = torch.stack(everyone).mean(0), torch.stack(everyone).sum(0)
+    parameters = mine.clone()
+    returned = average(parameters, None, 30.0)
+    if torch.allclose(parameters, mean, atol=1e-6):
+        return _local_sgd_verdict(ctx, average)
+    if torch.equal(parameters, mine):
+        if isinstance(returned, torch.Tensor) and torch.allclose(returned, mean, atol=1e-6):
+            return ("you returned the mean but left `parameters` as it was: average in place (all_reduce works in "
+                    "place, then .div_), the training loop keeps using the tensor it passed in.")
+        return "parameters are unchanged: every worker kept its own; the workers must all_reduce them."
+    if torch.allclose(parameters, total, atol=1e-5):
+        return (f"you left the sum of the {ctx.world_size} workers' parameters: divide by the number of workers "
+                "(dist.get_world_size(group)).")
+    for count in range(1, 9):
+        if count != ctx.world_size and torch.allclose(parameters, total / count, atol=1e-5):
+            return (f"you divided by {count}, but {ctx.world_size} workers took part: use "
+                    "dist.get_world_size(group), not a fixed number.")
+    return f"expected the mean over ranks, got values {float((parameters - mean).abs().max()):.3g} away from it."
+
+
+def _local_sgd_verdict(ctx, average: Callable) -> str | None:
+    data = ps.make_data(PROBLEM)
+    theirs = local.local_sgd(ctx.rank + 1, data, PROBLEM, 12, 4, 0.2, None, 30.0, average)
+    reference = local.local_sgd(ctx.rank + 1, data, PROBLEM, 12, 4, 0.2)
+    if not torch.allclose(theirs["parameters"], reference["parameters"], atol=1e-6):
+        return "local SGD with your averaging ends elsewhere than with the reference averaging."
+    return None
+
+
+def check_average_parameters(average_parameters: Callable) -> None:
+    """average_parameters(parameters (features,), group, timeout_s): in place, the mean over the group's ranks.
+
+    Run on 2 and then 3 forked gloo ranks (group None: all of them).
+    """
+    for world_size in (2, 3):
+        on_ranks(_average_rank, world_size, (average_parameters,), timeout_s=60)
+    passed("on 2 and 3 ranks every worker holds the mean of all workers' parameters, in place, and local SGD "
+           "with your averaging matches the reference")
