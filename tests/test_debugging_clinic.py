@@ -1,0 +1,69 @@
+"""Notebook 12's cases: each planted bug fails as described within its timeout, each fix works (forked ranks, no torchrun)."""
+import pytest
+
+from labsrc import debugging_clinic as clinic
+from labsrc import debugging_clinic_launch as launching
+from labsrc import debugging_clinic_training as training
+from labsrc.core.world import RequestError
+from labsrc.labs.debugging_clinic import Options
+
+
+def test_detail_names_a_shape_mismatch_at_once_and_the_fix_passes():
+    broken = clinic.run_case(clinic.mismatched_shape, "broken", debug="DETAIL", timeout_s=3.0)
+    assert [o.exception for o in broken] == ["RuntimeError", "RuntimeError"]
+    assert all(o.seconds < 3.0 and "TensorShape=[5]" in o.text for o in broken)
+    assert all(o.ok for o in clinic.run_case(clinic.mismatched_shape, "fixed", debug="DETAIL", timeout_s=3.0))
+
+
+def test_monitored_barrier_names_the_missing_rank():
+    rank0, rank1 = clinic.run_case(clinic.rank0_only_barrier, "broken", timeout_s=2.0)
+    assert not rank0.ok and rank1.ok and "Ranks 1 failed to pass monitoredBarrier" in rank0.message
+
+
+def test_flight_recorder_finds_the_skipped_collective():
+    outcomes = clinic.run_case(clinic.skipped_collective, "broken", timeout_s=2.0, flight_recorder=True)
+    divergence = clinic.first_divergence([o.detail["flight_record"] for o in outcomes])
+    assert divergence["entered"] == [0] and divergence["missing"] == [1] and divergence["sizes"] == [[4]]
+
+
+def test_first_divergence_of_equal_records_is_none():
+    record = [{"seq": 1, "op": "gloo:all_reduce", "pg_id": 2, "sizes": [[4]], "state": "completed", "timeout_ms": 1}]
+    assert clinic.first_divergence([record, record]) is None
+
+
+def test_ddp_unused_parameter_fails_and_static_graph_fixes_it():
+    broken = clinic.run_case(training.ddp_case, "broken", debug="INFO", timeout_s=5.0)
+    assert all("aux.bias, aux.weight" in o.text for o in broken)
+    assert all(o.ok for o in clinic.run_case(training.ddp_case, "static_graph", debug="INFO", timeout_s=5.0))
+
+
+def test_set_epoch_changes_the_order():
+    assert training.distinct_orders(training.epoch_orders(32, 3, call_set_epoch=False)) == 1
+    assert training.distinct_orders(training.epoch_orders(32, 3, call_set_epoch=True)) == 3
+
+
+def test_environment_is_restored(monkeypatch):
+    monkeypatch.setenv("TORCH_DISTRIBUTED_DEBUG", "OFF")
+    with clinic.environment(TORCH_DISTRIBUTED_DEBUG="DETAIL", TORCH_FR_BUFFER_SIZE=None):
+        import os
+        assert os.environ["TORCH_DISTRIBUTED_DEBUG"] == "DETAIL"
+    assert os.environ["TORCH_DISTRIBUTED_DEBUG"] == "OFF"
+
+
+def test_shared_devices_flags_two_ranks_on_one_gpu_uuid():
+    reports = [{"rank": 0, "host": "a", "device": "GPU-1"}, {"rank": 1, "host": "a", "device": "GPU-1"},
+               {"rank": 2, "host": "b", "device": "GPU-1"}, {"rank": 3, "host": "a", "device": "cpu"}]
+    assert launching.shared_devices(reports) == {"a/GPU-1": [0, 1]}
+
+
+def test_rank_fates_reads_a_vanished_rank(tmp_path):
+    from labsrc.core import runs
+    for rank in (0, 1):
+        runs.note_attempt(tmp_path, rank=rank)
+    runs.write_error(tmp_path, 0, RuntimeError("Connection closed by peer"), "tb")
+    assert launching.rank_fates(tmp_path) == {0: "raised RuntimeError", 1: "vanished"}
+
+
+def test_lab_options_refuse_an_unknown_case():
+    with pytest.raises(RequestError, match="case 'crash' is unknown"):
+        Options.make(case="crash")
