@@ -1,0 +1,87 @@
+"""A snapshot file that is whole or refused: written atomically with a digest, loaded with weights_only=True.
+
+    save_atomic(state, folder / "snapshot.pt")   # temp file in the same folder, fsync, os.replace
+    state = load_checked(folder / "snapshot.pt") # SnapshotCorrupt if torn or changed, never half-loaded
+
+Layout of the file: the bytes of torch.save(state), then a 32-byte SHA-256 of those bytes, then MAGIC.
+A file cut short by a crash loses its trailer (or its digest no longer matches) and is refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+from pathlib import Path
+
+import torch
+
+MAGIC = b"LABSRC-SNAPSHOT-1"
+DIGEST_BYTES = 32
+TEMP_SUFFIX = ".tmp"
+
+
+class SnapshotCorrupt(RuntimeError):
+    """A snapshot file that is torn (cut short mid-write) or changed since it was written: it is not loaded."""
+
+
+def encode(state: dict) -> bytes:
+    """torch.save bytes of `state`, then their SHA-256, then MAGIC."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = buffer.getvalue()
+    return payload + hashlib.sha256(payload).digest() + MAGIC
+
+
+def temp_path(path: Path) -> Path:
+    """Where a snapshot is written before it is renamed into place: the same folder, so os.replace is atomic."""
+    return path.with_name(path.name + TEMP_SUFFIX)
+
+
+def write_bytes_durably(path: Path, data: bytes) -> None:
+    """Write, flush Python's buffer, then os.fsync: the bytes are on disk before anything is renamed."""
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def save_atomic(state: dict, path: Path | str) -> Path:
+    """Write `state` to path atomically: a reader sees the previous snapshot or this one, never a torn file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = temp_path(path)
+    write_bytes_durably(temporary, encode(state))
+    os.replace(temporary, path)  # atomic on POSIX within one file system
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself survives a power cut
+    finally:
+        os.close(folder)
+    return path
+
+
+def decode(data: bytes, name: str = "snapshot") -> dict:
+    """The state in `data`, or SnapshotCorrupt saying what is wrong with it."""
+    if not data.endswith(MAGIC) or len(data) < len(MAGIC) + DIGEST_BYTES:
+        raise SnapshotCorrupt(f"{name} ({len(data)} bytes) has no end marker: it was cut short mid-write. "
+                              f"It is not loaded; resume from an older snapshot or from the start.")
+    payload = data[:-(len(MAGIC) + DIGEST_BYTES)]
+    digest = data[-(len(MAGIC) + DIGEST_BYTES):-len(MAGIC)]
+    if hashlib.sha256(payload).digest() != digest:
+        raise SnapshotCorrupt(f"{name}: its SHA-256 does not match the one written with it (changed or torn "
+                              f"on disk). It is not loaded.")
+    return torch.load(io.BytesIO(payload), weights_only=True, map_location="cpu")
+
+
+def load_checked(path: Path | str) -> dict:
+    """Load a snapshot with weights_only=True after checking its digest; SnapshotCorrupt if torn or changed."""
+    path = Path(path)
+    return decode(path.read_bytes(), str(path))
+
+
+def write_torn(state: dict, path: Path | str, fraction: float = 0.5) -> Path:
+    """What a crash mid-write leaves: the first `fraction` of the bytes in the temp file (the real one untouched)."""
+    data = encode(state)
+    temporary = temp_path(Path(path))
+    write_bytes_durably(temporary, data[:int(len(data) * fraction)])
+    return temporary

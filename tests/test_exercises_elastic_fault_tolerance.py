@@ -1,0 +1,63 @@
+"""Notebook 10's exercise checker accepts the reference save/load and names each planted mistake."""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from labsrc.core.exercises import ExerciseFailed, load_solution
+from labsrc.elastic_fault_tolerance import capture_rng
+from labsrc.exercises.elastic_fault_tolerance import check_snapshot
+
+save = load_solution("elastic_fault_tolerance", "save")
+load = load_solution("elastic_fault_tolerance", "load")
+
+
+def test_the_solution_passes(capsys):
+    check_snapshot(save, load)
+    assert "passed" in capsys.readouterr().out
+
+
+def state_of(run, leave_out=()):
+    state = {"step": run.steps_done, "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+             "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
+             "sampler": run.sampler.state_dict(), "rng": capture_rng()}
+    return {k: v for k, v in state.items() if k not in leave_out}
+
+
+def atomic(state, path):
+    temporary = Path(str(path) + ".tmp")
+    torch.save(state, temporary)
+    os.replace(temporary, path)
+
+
+def save_without(part):
+    return lambda run, path: atomic(state_of(run, (part,)), path)
+
+
+def load_tolerant(run, path):
+    state = torch.load(path, weights_only=True)
+    run.model.load_state_dict(state["model"])
+    for part in ("optimizer", "scheduler", "scaler", "sampler"):
+        if part in state:
+            getattr(run, part).load_state_dict(state[part])
+    run.steps_done = state.get("step", 0)
+    if "rng" in state:
+        from labsrc.elastic_fault_tolerance import restore_rng
+        restore_rng(state["rng"])
+
+
+def save_in_place(run, path):
+    torch.save(state_of(run), path)
+
+
+@pytest.mark.parametrize("wrong_save, named", [
+    (save_without("rng"), "RNG state"),
+    (save_without("sampler"), "sampler position"),
+    (save_without("optimizer"), "optimizer state"),
+    (save_without("step"), "step counter"),
+    (save_in_place, "not atomic"),
+])
+def test_planted_mistakes_are_named(wrong_save, named):
+    with pytest.raises(ExerciseFailed, match=named):
+        check_snapshot(wrong_save, load_tolerant)
