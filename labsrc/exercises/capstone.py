@@ -1,0 +1,42 @@
+"""Checker for notebook 13's exercise: the warm-up + cosine learning-rate schedule scaled to the global batch."""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from labsrc.capstone import Schedule, learning_rate
+from labsrc.core.exercises import ExerciseFailed, passed
+
+CASES = (Schedule(0.1, 256, 1024, 5, 30, 0.0), Schedule(0.05, 64, 128, 3, 20, 0.001), Schedule(0.2, 512, 512, 0, 10, 0.0))
+
+
+def _verdict(rates: list[float], schedule: Schedule) -> str | None:
+    """What is off in rates (one per step) against the reference schedule, or None."""
+    expected = [learning_rate(step, schedule) for step in range(schedule.total_steps)]
+    if all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12) for a, b in zip(rates, expected)):
+        return None
+    peak, warmup = schedule.peak_lr, schedule.warmup_steps
+    if not math.isclose(max(rates), peak, rel_tol=1e-6):
+        return (f"the peak is {max(rates):.4g}, expected {peak:.4g} = base_lr x global_batch / base_batch "
+                f"(the linear scaling rule).")
+    if warmup and not math.isclose(rates[0], schedule.base_lr, rel_tol=1e-6):
+        return f"step 0 has {rates[0]:.4g}: the warm-up starts from base_lr = {schedule.base_lr:.4g} (Goyal et al.)."
+    reached = next(step for step, rate in enumerate(rates) if math.isclose(rate, peak, rel_tol=1e-6))
+    if reached != warmup:
+        return f"the peak is reached at step {reached}: the warm-up length must be {warmup} steps (the peak at step {warmup})."
+    if not math.isclose(rates[-1], schedule.end_lr, rel_tol=1e-6, abs_tol=1e-12):
+        return f"the end value at the last step ({schedule.total_steps - 1}) is {rates[-1]:.4g}, expected end_lr = {schedule.end_lr:.4g}."
+    worst = max(range(len(rates)), key=lambda step: abs(rates[step] - expected[step]))
+    return f"step {worst}: {rates[worst]:.4g}, expected {expected[worst]:.4g} (the shape of the cosine between peak and end)."
+
+
+def check_learning_rate(learner: Callable) -> None:
+    """learner(step, base_lr, base_batch, global_batch, warmup_steps, total_steps, end_lr) -> the rate at step."""
+    for schedule in CASES:
+        rates = [float(learner(step, schedule.base_lr, schedule.base_batch, schedule.global_batch,
+                               schedule.warmup_steps, schedule.total_steps, schedule.end_lr))
+                 for step in range(schedule.total_steps)]
+        verdict = _verdict(rates, schedule)
+        if verdict:
+            raise ExerciseFailed(f"{schedule}: {verdict}")
+    passed("warm-up from the base rate to the scaled peak, then a cosine to the end value, on every schedule tried")

@@ -1,0 +1,196 @@
+"""Lesson 13: the scaled schedule, CIFAR-10 read from disk, atomic snapshots, resume to the same model, the report."""
+import math
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from labsrc import capstone
+from labsrc.capstone_training import RunSettings, train_run
+from labsrc.core.forked import run_ranks
+from labsrc.core.world import RankContext, RequestError
+from labsrc.labs import capstone as lab
+
+
+def schedule(**changes):
+    values = dict(base_lr=0.1, base_batch=256, global_batch=1024, warmup_steps=5, total_steps=26, end_lr=0.001)
+    return capstone.Schedule(**{**values, **changes})
+
+
+def test_schedule_ramps_from_base_to_scaled_peak_then_cosine_to_end():
+    plan = schedule()
+    rates = [capstone.learning_rate(step, plan) for step in range(plan.total_steps)]
+    assert plan.peak_lr == pytest.approx(0.4)  # 0.1 x 1024 / 256
+    assert rates[0] == pytest.approx(0.1)
+    assert rates[5] == pytest.approx(0.4) and max(rates) == pytest.approx(0.4)
+    assert rates[-1] == pytest.approx(0.001)
+    assert all(a < b for a, b in zip(rates[:5], rates[1:6])), "the warm-up rises"
+    assert all(a > b for a, b in zip(rates[5:], rates[6:])), "the cosine falls"
+    middle = 5 + (plan.total_steps - 1 - 5) // 2
+    assert rates[middle] == pytest.approx(0.001 + (0.4 - 0.001) * 0.5, rel=1e-9), "half-way down the cosine"
+
+
+def test_schedule_without_warmup_starts_at_the_peak():
+    assert capstone.learning_rate(0, schedule(warmup_steps=0)) == pytest.approx(0.4)
+
+
+def fake_cifar(root, per_batch=4):
+    """Write the torchvision on-disk layout: pickled dicts with uint8 rows of 3072 values, labels, names."""
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    generator = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        entry = {"data": generator.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+                 "labels": generator.integers(0, 10, per_batch).tolist()}
+        with open(folder / name, "wb") as file:
+            pickle.dump(entry, file)
+    with open(folder / "batches.meta", "wb") as file:
+        pickle.dump({"label_names": [f"class{i}" for i in range(10)]}, file)
+
+
+@pytest.fixture
+def files_not_checksummed(monkeypatch):
+    """torchvision checks each file's MD5 against the real release, which a fake cannot match: check existence."""
+    import torchvision.datasets.cifar as cifar
+    monkeypatch.setattr(cifar, "check_integrity", lambda path, md5=None: os.path.isfile(path))
+
+
+def test_cifar10_is_read_from_disk_when_there(tmp_path, files_not_checksummed):
+    fake_cifar(tmp_path)
+    train, held_out, source = capstone.load_datasets("auto", 100, 10, 16, 0, root=tmp_path)
+    assert source == "cifar10" and len(train) == 20 and len(held_out) == 4
+    image, label = train[0]
+    assert image.shape == (3, 32, 32) and image.dtype == torch.float32 and 0 <= label < 10
+
+
+def test_without_cifar10_auto_falls_back_and_cifar10_refuses(tmp_path, files_not_checksummed):
+    train, held_out, source = capstone.load_datasets("auto", 100, 10, 16, 0, root=tmp_path)
+    assert source == "synthetic" and len(train) == 100 and len(held_out) == 10
+    with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
+        capstone.load_datasets("cifar10", 100, 10, 16, 0, root=tmp_path)
+
+
+def test_held_out_split_is_disjoint_and_shuffled_labels_keep_images():
+    train, held_out = capstone.offline_split(64, 16, 8, seed=3)
+    assert train.tensors[0].shape == (64, 3, 8, 8) and held_out.tensors[0].shape == (16, 3, 8, 8)
+    assert not any(torch.equal(a, b) for a in held_out.tensors[0] for b in train.tensors[0][:16])
+    shuffled = capstone.with_shuffled_labels(train, seed=3)
+    assert torch.equal(shuffled.tensors[0], train.tensors[0])
+    assert not torch.equal(shuffled.tensors[1], train.tensors[1])
+    assert sorted(shuffled.tensors[1].tolist()) == sorted(train.tensors[1].tolist())
+
+
+def parts():
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer, torch.amp.GradScaler("cpu", enabled=False)
+
+
+def test_snapshot_round_trip_restores_momentum(tmp_path):
+    model, optimizer, scaler = parts()
+    path = tmp_path / "snapshot.pt"
+    assert capstone.save_snapshot(path, 7, model, optimizer, scaler) == path.stat().st_size
+    other, other_optimizer, other_scaler = parts()
+    assert capstone.load_snapshot(path, other, other_optimizer, other_scaler, torch.device("cpu")) == 7
+    assert capstone.state_digest(other) == capstone.state_digest(model)
+    momentum = optimizer.state[model.weight]["momentum_buffer"]
+    assert torch.equal(other_optimizer.state[other.weight]["momentum_buffer"], momentum)
+    assert not list(tmp_path.glob("*.partial"))
+
+
+def test_a_write_that_fails_leaves_the_previous_snapshot(tmp_path, monkeypatch):
+    model, optimizer, scaler = parts()
+    path = tmp_path / "snapshot.pt"
+    capstone.save_snapshot(path, 1, model, optimizer, scaler)
+    before = path.read_bytes()
+
+    def dies_half_way(state, target):
+        open(target, "wb").write(b"half a file")
+        raise OSError("disk full")
+    monkeypatch.setattr(torch, "save", dies_half_way)
+    with pytest.raises(OSError):
+        capstone.save_snapshot(path, 2, model, optimizer, scaler)
+    assert path.read_bytes() == before
+
+
+def settings(total_steps=8):
+    return RunSettings(model="tiny_cnn", precision="fp32", channels_last=False, compile=False,
+                       compile_backend="inductor",
+                       schedule=capstone.Schedule(0.4, 256, 32, 2, total_steps), momentum=0.9,
+                       weight_decay=5e-4, max_norm=None, eval_every=2, snapshot_every=4, num_workers=0, seed=0)
+
+
+def train_on_rank(ctx, folder, stop_at, forget_momentum):
+    """Train uninterrupted, then stopped at stop_at and resumed from its snapshot; both ranks' digests."""
+    train_set, held_out = capstone.offline_split(128, 32, 8, seed=0)
+    events = []
+    report = lambda kind, values: events.append((kind, values))  # noqa: E731
+    whole = train_run(ctx, settings(), train_set, held_out, None, report)
+    snapshot = folder / "snapshot.pt"
+    train_run(ctx, settings(), train_set, held_out, snapshot, report, stop_after=lambda step: step >= stop_at)
+    if forget_momentum and ctx.is_main:
+        state = torch.load(snapshot, weights_only=True)
+        state["optimizer"]["state"] = {}
+        torch.save(state, snapshot)
+    torch.distributed.barrier()
+    resumed = train_run(ctx, settings(), train_set, held_out, snapshot, report)
+    starts = [values["resumed_from"] for kind, values in events if kind == "start"]
+    accuracy = [values["accuracy"] for kind, values in events if kind == "evaluation"]
+    return whole["digest"], resumed["digest"], starts, accuracy
+
+
+@pytest.mark.parametrize("stop_at", [4, 6])
+def test_resumed_run_equals_the_uninterrupted_one_on_every_rank(tmp_path, stop_at):
+    results = run_ranks(train_on_rank, 2, (tmp_path, stop_at, False), timeout_s=120)
+    (whole, resumed, starts, accuracy), other = results
+    assert whole == resumed, "resuming from the snapshot must reach the same parameters"
+    assert other[:2] == (whole, resumed), "DDP keeps both ranks identical"
+    assert starts == [0, 0, 4], "the last snapshot before the stop is at step 4"
+    assert len(accuracy) == 4 + stop_at // 2 + (8 - 4) // 2 and all(0 <= a <= 1 for a in accuracy)
+
+
+def test_a_snapshot_without_optimizer_state_resumes_elsewhere(tmp_path):
+    whole, resumed, _, _ = run_ranks(train_on_rank, 2, (tmp_path, 4, True), timeout_s=120)[0]
+    assert whole != resumed, "momentum is part of the state: losing it must change the result"
+
+
+def test_channels_last_and_a_failed_compile_still_train_in_a_world_of_one():
+    from dataclasses import replace
+    ctx = RankContext(0, 0, 1, torch.device("cpu"), "none")
+    train_set, held_out = capstone.offline_split(64, 16, 8, seed=0)
+    events = []
+    chosen = replace(settings(total_steps=4), channels_last=True, compile=True, compile_backend="no_such_backend")
+    final = train_run(ctx, chosen, train_set, held_out, None, lambda kind, values: events.append((kind, values)))
+    start = next(values for kind, values in events if kind == "start")
+    assert "no_such_backend" in start["compile_reason"], "a failed compile must say why"
+    assert final["step"] == 4 and [kind for kind, _ in events].count("evaluation") == 2
+
+
+def test_scaling_report_against_the_smallest_world():
+    evaluations = [{"step": 8, "accuracy": 0.5, "train_seconds": 1.0}, {"step": 16, "accuracy": 0.9, "train_seconds": 2.0}]
+    runs = {1: {"images_per_s": 100.0, "evaluations": evaluations},
+            2: {"images_per_s": 150.0, "evaluations": evaluations[:1]}}
+    report = capstone.scaling_report(runs, target=0.8)
+    assert report[1] == {"images_per_s": 100.0, "speedup": 1.0, "efficiency": 1.0, "time_to_target_s": 2.0}
+    assert report[2]["speedup"] == pytest.approx(1.5) and report[2]["efficiency"] == pytest.approx(0.75)
+    assert report[2]["time_to_target_s"] is None
+
+
+def test_options_say_what_to_fix():
+    with pytest.raises(RequestError, match="multiple of eval_every"):
+        lab.Options.make(eval_every=4, snapshot_every=6)
+    with pytest.raises(RequestError, match="auto, cifar10 or synthetic"):
+        lab.Options.make(data="imagenet")
+    assert lab.Options.make(steps=8).to_argv() == ["--steps", "8"]
+
+
+def test_lab_runs_as_a_world_of_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("LABSRC_RUNS", str(tmp_path))
+    summary = lab.main(["--profile", "ci", "--steps", "4", "--num-samples", "128", "--held-out", "32",
+                        "--eval-every", "2"])
+    assert summary["source"] == "synthetic" and summary["steps"] == 4 and len(summary["digest"]) == 64
+    assert summary["precision"] == "fp32" and math.isfinite(summary["train_seconds"])
