@@ -1,7 +1,8 @@
 """Build every slides/NN_*.md deck into a self-contained HTML file in slides/build/ (no network, no CDN).
 
 A deck is Markdown; a line holding only `---` starts a new slide. Arrow keys, space and PageUp/PageDown
-move between slides; `p` prints every slide on its own page. Images are inlined as data URIs.
+move between slides; `p` prints every slide on its own page. Images are inlined as data URIs: a deck's
+figures are the committed slides/figures/NN_*.png, drawn from a ci run by `python slides/figures.py`.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ h1 { font-size: 5.5vh; color: #9a3412; } h2 { font-size: 4.2vh; color: #9a3412; 
 code, pre { font-family: ui-monospace, monospace; background: #f1f1f4; }
 pre { padding: 1.2vh 1.5vw; border-radius: 6px; font-size: 2.1vh; overflow-x: auto; }
 table { border-collapse: collapse; } td, th { border: 1px solid #bbb; padding: .4em .8em; }
-img { max-width: 80%; max-height: 55vh; }
+img { display: block; margin: 1vh auto; max-width: 88%; max-height: 58vh; object-fit: contain; }
 footer { position: fixed; bottom: 1vh; right: 2vw; color: #888; font-size: 1.8vh; }
 @media print { section { display: block; page-break-after: always; height: auto; } footer { display: none; } }
 """
@@ -56,12 +57,19 @@ def split_slides(text: str) -> list[str]:
     return [part.strip() for part in re.split(r"^---\s*$", text, flags=re.M) if part.strip()]
 
 
+class MissingFigure(FileNotFoundError):
+    """A deck shows an image that is not on disk."""
+
+
 def inline_images(body: str, folder: Path) -> str:
-    """Replace src="relative.png" with a data URI so the deck is one file."""
+    """Replace src="relative.png" with a data URI so the deck is one file; a missing file is an error."""
     def replace(match: re.Match) -> str:
         path = folder / match.group(1)
-        if match.group(1).startswith(("http:", "https:", "data:")) or not path.exists():
+        if match.group(1).startswith(("http:", "https:", "data:")):
             return match.group(0)
+        if not path.exists():
+            raise MissingFigure(f"{path} is shown by a slide but missing: draw it with "
+                                f"`python slides/figures.py` (slides/makers/ holds each deck's figure maker)")
         kind = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
         return f'src="data:{kind};base64,{base64.b64encode(path.read_bytes()).decode()}"'
     return re.sub(r'src="([^"]+)"', replace, body)
