@@ -5,7 +5,8 @@ PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-installed
 NOTEBOOK_TIMEOUT ?= 300
 
-.PHONY: setup lab test test-unit test-notebooks slides doctor bench clean
+.PHONY: setup lab test test-unit test-notebooks slides slides-figures doctor bench clean \
+	tensorflow test-tensorflow deepspeed test-deepspeed
 
 # Reinstalls only when the pinned requirements or the package metadata change.
 $(STAMP): requirements.txt pyproject.toml
@@ -45,6 +46,33 @@ test-notebooks: setup
 slides: setup
 	$(PYTHON) slides/build.py
 
+# Redraws slides/figures/*.png from ci runs of every lab (a few minutes), then builds the decks.
+slides-figures: setup
+	MPLBACKEND=Agg $(PYTHON) slides/figures.py
+	$(PYTHON) slides/build.py
+
+# Optional extras, each apart from the default set-up.
+# TensorFlow (the appendix to notebook 13): its own environment .venv-tf and Jupyter kernel "labsrc-tf".
+TF_VENV := .venv-tf
+$(TF_VENV)/.stamp-installed: requirements-tensorflow.txt
+	test -x $(TF_VENV)/bin/python || $(PY) -m venv $(TF_VENV)
+	$(TF_VENV)/bin/python -m pip install -q -r requirements-tensorflow.txt
+	$(TF_VENV)/bin/python -m ipykernel install --user --name labsrc-tf --display-name "Python (labsrc TensorFlow)" >/dev/null
+	touch $@
+
+tensorflow: $(TF_VENV)/.stamp-installed
+
+test-tensorflow: tensorflow
+	MPLBACKEND=Agg $(TF_VENV)/bin/python -m pytest tests_tensorflow appendix/13_tensorflow_mirrored.ipynb \
+		--nbmake --nbmake-timeout=$(NOTEBOOK_TIMEOUT)
+
+# DeepSpeed (notebook 09's last section): added to the course's venv; without it those cells skip.
+deepspeed: setup
+	DS_BUILD_OPS=0 $(PYTHON) -m pip install -q -r requirements-deepspeed.txt
+
+test-deepspeed: deepspeed
+	DS_ACCELERATOR=cpu LABSRC_PROFILE=ci $(PYTHON) -m pytest tests/test_deepspeed.py
+
 doctor: setup
 	$(PYTHON) -m labsrc.doctor
 
@@ -52,4 +80,4 @@ bench: setup
 	$(PYTHON) -m labsrc.bench --compare-loop
 
 clean:
-	rm -rf runs slides/build .pytest_cache
+	rm -rf runs slides/build .pytest_cache $(TF_VENV)

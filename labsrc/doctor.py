@@ -16,7 +16,14 @@ from labsrc.core.profiles import PROFILE_ENV, ProfileError, pick_profile
 from labsrc.core.world import max_cpu_ranks
 
 LESSONS = ("00_setup", "01_dp_vs_ddp", "02_collectives", "03_data_loading", "04_ddp_internals",
-           "05_mixed_precision", "06_performance_scaling")
+           "05_mixed_precision", "06_performance_scaling", "07_model_tensor_parallel", "08_pipeline_parallel",
+           "09_memory_sharding", "10_elastic_fault_tolerance", "10b_elastic_membership",
+           "11_async_parameter_server", "12_debugging_clinic", "13_capstone")
+# Lessons whose lab always runs gloo ranks on the CPU, whatever the GPUs, and why.
+CPU_ONLY = {
+    "09_memory_sharding": "its small models and byte counts stay on the CPU",
+    "11_async_parameter_server": "a server receives from any source, which NCCL cannot do",
+}
 
 
 def gpu_report(hardware: Hardware, measured: bool) -> list[dict]:
@@ -69,6 +76,10 @@ def lab_scales(plan: dict | None, profile_name: str, gpus: int) -> dict:
              "cpu": "the CPU"}[plan["device"]]
     scale = {lesson: f"{profile_name} profile, {plan['world_size']} {plan['backend']} ranks on {where}"
              for lesson in LESSONS}
+    for lesson, why in CPU_ONLY.items():
+        scale[lesson] = f"{profile_name} profile, gloo ranks on the CPU ({why})"
+    scale["11_async_parameter_server"] = scale["11_async_parameter_server"].replace("gloo ranks", "3+ gloo ranks")
+    scale["10b_elastic_membership"] = f"{profile_name} profile, two simulated nodes of one rank each on this machine"
     if gpus < 2:
         scale["01_dp_vs_ddp"] += " (DataParallel timing needs 2+ GPUs: shown, not timed)"
     return scale

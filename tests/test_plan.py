@@ -89,3 +89,9 @@ def test_a_batch_that_does_not_split_is_refused_before_torchrun_starts(tmp_path,
     with pytest.raises(RequestError, match="global_batch 33 does not split over 2 ranks: choose a multiple of 2, e.g. 32 or 34"):
         launch.run("dp_vs_ddp", nproc=2, global_batch=33)
     assert not any(tmp_path.glob("*/*")), "a run directory was made for a refused launch"
+
+
+def test_the_doctor_knows_every_notebook():
+    from pathlib import Path
+    notebooks = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+    assert sorted(doctor.LESSONS) == notebooks
