@@ -57,10 +57,7 @@ def run_lab(name: str, body: LabBody, options_class: type[LabOptions] = LabOptio
         finished = True
         return summary
     except BaseException as exc:
-        runs.write_error(run_dir, rank, exc, traceback.format_exc())
-        if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun's own report then shows the root cause
-            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-            ErrorHandler().record_exception(exc)
+        runs.report_failure(run_dir, rank, exc, traceback.format_exc())
         setattr(exc, runs.ERROR_RECORDED, True)  # the course's rank entry does not record it twice
         raise
     finally:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+from contextlib import contextmanager
 
 RUN_ID_ENV = "LABSRC_RUN_ID"
 GRACE_S = 5.0
@@ -70,3 +72,20 @@ def end_run(run_id: str, root_pids=None, grace_s: float = GRACE_S) -> int:
             pass
     psutil.wait_procs(alive, timeout=2)
     return len(procs)
+
+
+@contextmanager
+def sigterm_ignored():
+    """SIGTERM ignored inside the block (main thread only), restored after.
+
+    A rank writing its error report must finish it: torchrun's agent SIGTERMs the survivors once one rank
+    dies, and an error file cut mid-write makes the agent itself crash on parsing it (no report, no restart).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -52,10 +52,7 @@ def record_failure(run_dir: Path, rank: int, exc: BaseException) -> None:
     """rank<r>.error.json for the launcher, torchrun's error file for its report (unless run_lab did both)."""
     if getattr(exc, runs.ERROR_RECORDED, False):
         return
-    runs.write_error(run_dir, rank, exc, own_frames_dropped(exc))
-    if "TORCHELASTIC_ERROR_FILE" in os.environ:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-        ErrorHandler().record_exception(exc)
+    runs.report_failure(run_dir, rank, exc, own_frames_dropped(exc))
 
 
 def run_target(kind: str, target: str, args: list[str]) -> None:

@@ -131,8 +131,10 @@ def read_summary(run_dir: Path | str) -> dict | None:
 def write_error(run_dir: Path | str, rank: int, exc: BaseException, formatted: str) -> Path:
     """rank<r>.error.json: the exception a rank died of, for the launcher to report."""
     path = Path(run_dir) / f"rank{rank}.error.json"
-    path.write_text(json.dumps({"rank": rank, "type": type(exc).__name__, "message": str(exc),
-                                "traceback": formatted, "time": time.time(), "attempt": current_attempt()}))
+    temporary = path.with_name(path.name + ".tmp")  # renamed into place: the launcher never reads half a file
+    temporary.write_text(json.dumps({"rank": rank, "type": type(exc).__name__, "message": str(exc),
+                                     "traceback": formatted, "time": time.time(), "attempt": current_attempt()}))
+    temporary.replace(path)
     return path
 
 
@@ -176,3 +178,13 @@ def read_attempts(run_dir: Path | str, file: str = ATTEMPTS_FILE) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def report_failure(run_dir: Path | str, rank: int, exc: BaseException, formatted: str) -> None:
+    """rank<r>.error.json for the course's launcher and torchrun's own error file, both written whole."""
+    from labsrc.core.processes import sigterm_ignored
+    with sigterm_ignored():
+        write_error(run_dir, rank, exc, formatted)
+        if "TORCHELASTIC_ERROR_FILE" in os.environ:  # torchrun's report then shows the root cause
+            from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+            ErrorHandler().record_exception(exc)
