@@ -41,10 +41,10 @@ def torchrun_on_port(port: int, timeout_s: float = 60.0) -> dict:
 def device_report(ctx, device_index: int | None = None) -> dict:
     """This rank's (host, device) as all ranks see it: every rank's report, gathered with all_gather_object.
 
-    device_index: the GPU this rank selects (None: its local rank, the right choice). On a machine without
-    CUDA the device is "cpu" and the check has nothing to catch.
+    device_index: the GPU this rank selects (None: its local rank, the right choice). With fewer GPUs than
+    ranks (none, or one GPU shared by gloo ranks on purpose) the device is "cpu": the check has nothing to catch.
     """
-    if torch.cuda.is_available():
+    if torch.cuda.device_count() >= ctx.world_size:
         index = ctx.local_rank if device_index is None else device_index
         torch.cuda.set_device(index)
         device = str(torch.cuda.get_device_properties(index).uuid)

@@ -120,8 +120,11 @@ def data_wait(num_workers: int, batches: int = 8, batch_size: int = 8, item_s: f
 
 # -- threads: oversubscription and the import-order advice --------------------------------------------------------
 
-def matmul_seconds(ctx, threads: int, size: int = 384, repeats: int = 12) -> float:
-    """Seconds for `repeats` (size, size) matmuls with torch.set_num_threads(threads); the old count comes back."""
+def matmul_seconds(ctx, threads: int, size: int = 384, repeats: int = 12) -> dict:
+    """`repeats` (size, size) matmuls with torch.set_num_threads(threads): {threads in force, seconds}.
+
+    threads is read back from torch while the matmuls run (what the rank really used); the old count comes back.
+    """
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -130,7 +133,7 @@ def matmul_seconds(ctx, threads: int, size: int = 384, repeats: int = 12) -> flo
         started = time.perf_counter()
         for _ in range(repeats):
             a @ a
-        return time.perf_counter() - started
+        return {"threads": torch.get_num_threads(), "seconds": time.perf_counter() - started}
     finally:
         torch.set_num_threads(previous)
 

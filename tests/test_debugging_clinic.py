@@ -67,3 +67,19 @@ def test_rank_fates_reads_a_vanished_rank(tmp_path):
 def test_lab_options_refuse_an_unknown_case():
     with pytest.raises(RequestError, match="case 'crash' is unknown"):
         Options.make(case="crash")
+
+
+def test_matmul_arms_run_with_the_threads_they_ask_for_and_restore_the_count():
+    import torch
+    from labsrc.core.forked import run_ranks
+    before = torch.get_num_threads()
+    for threads in (1, 2):
+        reports = run_ranks(training.matmul_seconds, 2, args=(threads, 64, 2), timeout_s=60)
+        assert [report["threads"] for report in reports] == [threads, threads]
+    assert training.matmul_seconds(None, 1, 32, 1)["threads"] == 1 and torch.get_num_threads() == before
+
+
+def test_device_report_of_ranks_on_their_own_devices_shares_nothing():
+    from labsrc.core.forked import run_ranks
+    reports = run_ranks(launching.device_report, 2, timeout_s=30)[0]["reports"]
+    assert [report["rank"] for report in reports] == [0, 1] and launching.shared_devices(reports) == {}

@@ -88,7 +88,7 @@ def allreduce_steps(ctx, records, options: Options) -> dict:
             time.sleep(0.5)  # the survivor is inside step 1's all_reduce by now
             print(f"rank {ctx.rank} sends itself SIGKILL (planted)", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
-        value = torch.tensor([float(ctx.rank)])
+        value = torch.tensor([float(ctx.rank)], device=ctx.device)  # NCCL reduces only CUDA tensors
         started = time.perf_counter()
         try:
             dist.all_reduce(value)
