@@ -10,6 +10,7 @@ would save with torch.distributed.checkpoint instead, each rank its shard.
 """
 from __future__ import annotations
 
+import hashlib
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -234,6 +235,37 @@ def restore(run: Training, state: dict) -> str:
 def load_snapshot(run: Training, path: Path | str) -> str:
     """Load the snapshot at path (digest checked, weights_only=True) into `run`; see `restore`."""
     return restore(run, load_checked(path))
+
+
+def fingerprint(value) -> str:
+    """A short SHA-256 of a state's tensors (dtype, shape, bytes), numbers and strings: equal states, equal prints."""
+    digest = hashlib.sha256()
+    _feed(digest, value)
+    return digest.hexdigest()[:16]
+
+
+def _feed(digest, value) -> None:
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{flat.dtype}{tuple(value.shape)}".encode() + flat.view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, dict):
+        for key in sorted(value, key=str):
+            digest.update(repr(key).encode())
+            _feed(digest, value[key])
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"[{len(value)}]".encode())
+        for item in value:
+            _feed(digest, item)
+    else:
+        digest.update(repr(value).encode())
+
+
+def part_fingerprints(run: Training) -> dict[str, str]:
+    """{part: fingerprint} of everything the next step reads (PARTS); capturing the RNG states draws nothing."""
+    return {"model": fingerprint(run.plain_model.state_dict()), "optimizer": fingerprint(run.optimizer.state_dict()),
+            "scheduler": fingerprint(run.scheduler.state_dict()), "scaler": fingerprint(run.scaler.state_dict()),
+            "sampler": fingerprint(run.sampler.state_dict()), "rng": fingerprint(capture_rng()),
+            "step": str(run.steps_done)}
 
 
 def parameters_equal(first: dict[str, torch.Tensor], second: dict[str, torch.Tensor]) -> bool:

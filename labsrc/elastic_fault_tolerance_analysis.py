@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from labsrc.labs.elastic_fault_tolerance import Failure, Resume, TrainStep
+from labsrc.labs.elastic_fault_tolerance import Failure, Resume, StateFingerprint, TrainStep
 
 
 def rank_histories(result) -> dict[int, list[tuple[Resume, list[TrainStep]]]]:
@@ -126,3 +126,29 @@ def restart_costs(result) -> list[RestartCost]:
         costs.append(RestartCost(after.start, kind, before.reached, after.resumed_from,
                                  before.reached - after.resumed_from, after.first_wall - before.last_wall, lost))
     return costs
+
+
+@dataclass
+class ResumeCheck:
+    """One rank's state right after loading a snapshot, part by part against the uninterrupted run's at that step."""
+
+    attempt: int
+    rank: int
+    step: int
+    differing: list
+    """Parts (model, optimizer, scheduler, scaler, sampler, rng, step) whose fingerprints differ; [] when all match."""
+
+
+def resume_checks(result) -> list[ResumeCheck]:
+    """Every loaded resume compared with the reference run's fingerprints of the same rank after the same step."""
+    reference = {(p.rank, p.step): p.parts for a in sorted(result.records_by_attempt)
+                 for p in result.of(StateFingerprint, rank=None, attempt=a) if p.run == "reference"}
+    checks = []
+    for attempt in sorted(result.records_by_attempt):
+        for resumed in result.of(StateFingerprint, rank=None, attempt=attempt):
+            expected = reference.get((resumed.rank, resumed.step))
+            if resumed.run != "resumed" or expected is None:
+                continue
+            differing = [part for part in expected if resumed.parts.get(part) != expected[part]]
+            checks.append(ResumeCheck(attempt, resumed.rank, resumed.step, differing))
+    return checks

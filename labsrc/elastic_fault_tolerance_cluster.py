@@ -15,6 +15,7 @@ from string import Template
 from labsrc.core.world import RequestError
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "cluster"
+IP_INTERFACE_PREFIXES = ("eth", "en", "ib", "lo", "bond")  # `ip addr` names; InfiniBand adapters are mlx5_0, ...
 PLACEHOLDER = re.compile(r"\$(?!\$)\{?[a-z_]+\}?")  # a $name the template did not fill (shell $VARS are upper case)
 
 
@@ -33,9 +34,9 @@ class ClusterJob:
     port: int = 29500
     """The rendezvous port on that machine: open to the other nodes, closed to everyone else."""
     socket_ifname: str = "eth0"
-    """NCCL_SOCKET_IFNAME: the Ethernet (IP) interface for NCCL's bootstrap and socket traffic."""
+    """NCCL_SOCKET_IFNAME: the IP interface (prefix) for NCCL's bootstrap and socket traffic: eth0, or ib0 (IP over IB)."""
     ib_hca: str = "mlx5"
-    """NCCL_IB_HCA: the InfiniBand adapters NCCL's IB transport may use (prefix match, e.g. mlx5)."""
+    """NCCL_IB_HCA: the InfiniBand adapters NCCL's IB transport may use (prefix match: mlx5 is every mlx5_N)."""
     max_restarts: int = 3
     """torchrun --max-restarts: how many times a failed group is restarted."""
     module: str = "labsrc.labs.elastic_fault_tolerance"
@@ -52,10 +53,14 @@ class ClusterJob:
             raise RequestError(f"need nodes >= 1, gpus_per_node >= 1 and 0 <= min_nodes <= nodes (got {self}).")
         if not 1024 <= self.port <= 65535:
             raise RequestError(f"port must be 1024-65535 (got {self.port}).")
-        if self.socket_ifname.startswith("ib"):
-            raise RequestError(f"NCCL_SOCKET_IFNAME={self.socket_ifname} sends NCCL's socket traffic over "
-                               f"IP-over-InfiniBand; name the Ethernet interface (eth0, ens...) and choose the "
-                               f"InfiniBand adapters with ib_hca (NCCL_IB_HCA).")
+        if self.socket_ifname.lstrip("=^").startswith("mlx"):
+            raise RequestError(f"socket_ifname={self.socket_ifname} is an InfiniBand adapter, not an IP interface: "
+                               f"NCCL_SOCKET_IFNAME takes what `ip addr` lists (eth0, ens1, or ib0 for IP over "
+                               f"InfiniBand); put the adapter in ib_hca (NCCL_IB_HCA).")
+        if self.ib_hca and self.ib_hca.lstrip("=^").startswith(IP_INTERFACE_PREFIXES):
+            raise RequestError(f"ib_hca={self.ib_hca} is an IP interface, not an InfiniBand adapter: NCCL_IB_HCA "
+                               f"takes what `ibv_devinfo` lists (mlx5_0, or the prefix mlx5); put the IP "
+                               f"interface in socket_ifname (NCCL_SOCKET_IFNAME).")
 
     @property
     def nnodes_spec(self) -> str:

@@ -77,10 +77,30 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bit_for_bit(tmp_path):
         "a sample was lost or repeated across the crash"
 
 
-@pytest.mark.parametrize("part", ["rng", "sampler"])
+@pytest.mark.parametrize("part", ["rng", "sampler", "scheduler"])
 def test_leaving_a_part_out_of_the_snapshot_changes_the_result(tmp_path, part):
     verdicts = run_ranks(resume_against_reference, 2, (tmp_path, (part,)))
     assert [equal for equal, _ in verdicts] == [False, False], f"without {part} the run still matched"
+
+
+def test_fingerprints_name_the_part_a_snapshot_left_out(tmp_path):
+    from labsrc.core.world import RankContext
+    ctx = RankContext(0, 0, 1, torch.device("cpu"), "gloo")
+    run = eft.Training.build(ctx, eft.Setup())
+    for _ in range(6):
+        run.step()
+    expected, rng = eft.part_fingerprints(run), eft.capture_rng()
+    assert eft.part_fingerprints(run) == expected, "capturing the fingerprints changed the state"
+    differing = {}
+    for part in ("", "scheduler", "sampler", "rng", "optimizer"):
+        eft.restore_rng(rng)  # the RNG is the process's: the previous resume re-seeded it
+        eft.save_snapshot(run, tmp_path / "s.pt", leave_out=(part,) if part else ())
+        resumed = eft.Training.build(ctx, eft.Setup())
+        eft.load_snapshot(resumed, tmp_path / "s.pt")
+        found = eft.part_fingerprints(resumed)
+        differing[part] = [name for name in expected if found[name] != expected[name]]
+    assert differing == {"": [], "scheduler": ["scheduler"], "sampler": ["sampler"], "rng": ["rng"],
+                         "optimizer": ["optimizer"]}, differing
 
 
 def test_a_torn_snapshot_stops_the_resume_instead_of_loading(tmp_path):
@@ -126,10 +146,20 @@ def test_rendered_cluster_scripts_are_valid_bash_with_every_value_filled(tmp_pat
         assert "--rdzv-endpoint=gpu-a01:29611" in text
 
 
-def test_an_infiniband_name_as_socket_interface_is_refused_with_the_fix():
+@pytest.mark.parametrize("values, message", [
+    ({"socket_ifname": "mlx5_0"}, "not an IP interface"),
+    ({"ib_hca": "ib0"}, "not an InfiniBand adapter"),
+    ({"ib_hca": "eth0"}, "not an InfiniBand adapter"),
+])
+def test_an_adapter_and_an_interface_swapped_are_refused_with_the_fix(values, message):
     from labsrc.elastic_fault_tolerance_cluster import ClusterJob, render_sbatch
-    with pytest.raises(RequestError, match="NCCL_IB_HCA"):
-        render_sbatch(ClusterJob(socket_ifname="ib0"))
+    with pytest.raises(RequestError, match=message):
+        render_sbatch(ClusterJob(**values))
+
+
+def test_ip_over_infiniband_is_a_valid_socket_interface():
+    from labsrc.elastic_fault_tolerance_cluster import ClusterJob, render_sbatch
+    assert "NCCL_SOCKET_IFNAME=ib0" in render_sbatch(ClusterJob(socket_ifname="ib0", ib_hca="mlx5"))
 
 
 def test_the_real_rendezvous_api_forms_a_group_of_one():
@@ -164,6 +194,8 @@ def test_three_failures_three_restarts_and_the_end_equals_the_uninterrupted_run(
     assert [c.failure for c in costs] == ["exception", "kill", "hang"]
     assert all(c.steps_replayed >= 0 and c.time_lost_s > 0 for c in costs)
     assert [r.snapshot for r in result.of(Resume)] == ["loaded", "loaded"]
+    checks = analysis.resume_checks(result)
+    assert len(checks) == 6 and all(not c.differing for c in checks), checks
 
 
 @pytest.mark.slow

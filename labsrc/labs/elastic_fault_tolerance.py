@@ -20,7 +20,7 @@ from labsrc.core.lab import run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record, current_attempt
 from labsrc.core.world import RequestError
-from labsrc.elastic_fault_tolerance import Setup, Training, load_snapshot, save_snapshot
+from labsrc.elastic_fault_tolerance import Setup, Training, load_snapshot, part_fingerprints, save_snapshot
 from labsrc.elastic_fault_tolerance_snapshot import SnapshotCorrupt, save_atomic, write_torn
 
 FAILURES = ("exception", "kill", "hang")
@@ -96,6 +96,18 @@ class TrainStep(Record):
 
 
 @dataclass
+class StateFingerprint(Record):
+    """Fingerprints of every part of one rank's training state (elastic_fault_tolerance.part_fingerprints)."""
+
+    KIND: ClassVar[str] = "state_fingerprint"
+    run: str
+    """'reference': after each uninterrupted step; 'resumed': right after a snapshot was loaded."""
+    step: int
+    parts: dict
+    """{part: fingerprint}: model, optimizer, scheduler, scaler, sampler, rng, step."""
+
+
+@dataclass
 class SnapshotSaved(Record):
     """Rank 0 wrote a whole snapshot (atomically) after `step` steps."""
 
@@ -151,6 +163,7 @@ def resume(ctx, records, run: Training, path: Path) -> None:
         try:
             rng = load_snapshot(run, path)
             found = "loaded"
+            records.write(StateFingerprint(run="resumed", step=run.steps_done, parts=part_fingerprints(run)))
         except SnapshotCorrupt as exc:
             found, why = "refused", str(exc)
     records.write(Resume(restart_count=current_attempt(), world_size=ctx.world_size,
@@ -189,6 +202,7 @@ def train(ctx, records, options: Options, run: Training, label: str, path: Path 
         records.progress(run.steps_done, run.setup.total_steps)
         time.sleep(options.step_sleep_s)
         if path is None:
+            records.write(StateFingerprint(run=label, step=run.steps_done, parts=part_fingerprints(run)))
             continue
         last_rank = ctx.rank == ctx.world_size - 1
         if planted in ("exception", "hang") and run.steps_done == due and last_rank:
