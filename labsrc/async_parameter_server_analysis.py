@@ -22,7 +22,11 @@ def replay(data, problem: Problem, mode: str, lr: float, workers: int, updates: 
         if not _field("applied")(update):
             continue
         rows = batch_rows(problem, _field("worker")(update), _field("worker_step")(update))
-        pending.append(gradient(*data, history[_field("gradient_version")(update)], rows))
+        used = _field("gradient_version")(update)
+        if used not in history:
+            raise ValueError(f"gradient {_field('order')(update)} names version {used}, which the server had not "
+                             f"reached (it was at {version}): the server labelled its parameters wrongly")
+        pending.append(gradient(*data, history[used], rows))
         if mode == "sync" and len(pending) < workers:
             continue
         step = torch.stack(pending).mean(0) if mode == "sync" else pending[0]

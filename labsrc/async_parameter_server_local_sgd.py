@@ -39,3 +39,16 @@ def local_sgd(rank: int, data, problem: Problem, steps: int, every: int, lr: flo
 def expected_calls(steps: int, every: int) -> int:
     """Averaging calls local_sgd makes: one every `every` steps, plus one after the last if steps % every."""
     return -(-steps // every)
+
+
+def synchronous_sgd(data, problem: Problem, workers: tuple[int, ...], steps: int, lr: float) -> torch.Tensor:
+    """One process: each step, the mean of every worker's gradient on its seeded batch; final parameters (features,).
+
+    What local SGD with k = 1 must match up to rounding (averaging parameters after one step from the same start is
+    averaging the gradients).
+    """
+    parameters = initial_parameters(problem)
+    for step in range(steps):
+        grads = [gradient(*data, parameters, batch_rows(problem, worker, step)) for worker in workers]
+        parameters = parameters - lr * torch.stack(grads).mean(0)
+    return parameters

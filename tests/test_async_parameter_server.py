@@ -1,4 +1,4 @@
-"""Lesson 11: the parameter server on forked gloo ranks against single-process references; staleness, bytes, local SGD."""
+"""Lesson 11: the parameter server on forked gloo ranks vs single-process references; staleness, bytes, local SGD."""
 import time
 from types import SimpleNamespace
 
@@ -70,6 +70,14 @@ def test_replay_detects_a_gradient_labelled_with_the_wrong_version():
     assert not torch.equal(replayed, server["parameters"])
 
 
+def test_replay_names_a_version_the_server_had_not_reached():
+    server = run_mode("async", 1, gradients=6)[0]
+    updates = [dict(u) for u in server["updates"]]
+    updates[2]["gradient_version"] = 5
+    with pytest.raises(ValueError, match="names version 5"):
+        analysis.replay(ps.make_data(PROBLEM), PROBLEM, "async", LR, 1, updates)
+
+
 def test_bounded_staleness_never_exceeds_the_bound_and_rejects_the_rest():
     server = run_mode("bounded", 2, gradients=60, bound=1, delays_s=(0.001, 0.008), jitter=0.2)[0]
     applied = [u for u in server["updates"] if u["applied"]]
@@ -102,6 +110,7 @@ def local_sgd_on_rank(ctx, every, steps):
 def test_local_sgd_averaging_every_step_is_synchronous_sgd():
     results = run_ranks(local_sgd_on_rank, 2, (1, 12))
     torch.testing.assert_close(results[0]["parameters"], sgd_reference(2, 12))
+    assert torch.equal(local.synchronous_sgd(ps.make_data(PROBLEM), PROBLEM, (1, 2), 12, LR), sgd_reference(2, 12))
     assert torch.equal(results[0]["parameters"], results[1]["parameters"])
 
 

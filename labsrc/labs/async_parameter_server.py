@@ -138,6 +138,7 @@ class LocalSgd(Record):
     ring_bytes: int
     """What a ring all-reduce sends from this rank for them (notebook 02's count)."""
     final_loss: float
+    """Loss of the averaged parameters after the last step ("inf" or "nan" where it diverged: read it with float())."""
     parameters: list
     curve: list
     """[(local steps done, loss of the averaged parameters)] at each averaging."""
