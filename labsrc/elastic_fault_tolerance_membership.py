@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from labsrc.core import runs
-from labsrc.core.launch import Launch, child_environment, end_run
+from labsrc.core.launch import Launch, end_run
 from labsrc.labs.elastic_fault_tolerance import Resume, TrainStep
 
 
@@ -33,7 +33,7 @@ def starts_at(run_dir, world_size: int) -> int:
 def wait_until(condition, timeout_s: float, what: str, started: Launch) -> None:
     deadline = time.perf_counter() + timeout_s
     while not condition():
-        if time.perf_counter() > deadline or not started._running():
+        if time.perf_counter() > deadline or not started.running_nodes:
             raise MembershipTimeout(f"{what}: not seen within {timeout_s:g} s (see {started.log_path}).")
         time.sleep(0.2)
 
@@ -61,17 +61,6 @@ def store_host(started: Launch) -> int:
     raise RuntimeError(f"no agent of {started.run_id} listens on the rendezvous port {port}.")
 
 
-def rejoin_node(started: Launch, node: int) -> None:
-    """Start node `node`'s torchrun agent again, with its original command: it asks the rendezvous to join.
-
-    The launcher has no public call for this yet; it reuses the agent's command and environment.
-    """
-    env = child_environment(started.nproc * started.nodes.maximum, started.run_dir, started.run_id, None, None,
-                            True, None)
-    started.agents[node] = started._start_agent(node, started.commands[node], env)
-    started.ended_nodes.discard(node)
-
-
 def shrink_then_grow(started: Launch, steps_before: int = 3, steps_between: int = 3, grow: bool = True,
                      timeout_s: float = 90.0) -> int:
     """End the node that does not serve the store once rank 0 has done steps_before steps at world 2; rejoin
@@ -92,6 +81,6 @@ def _shrink_then_grow(started: Launch, steps_before: int, steps_between: int, gr
                "training again on the one node left", started)
     if grow:
         grown = starts_at(run_dir, 2)
-        rejoin_node(started, lost)
+        started.rejoin_node(lost)
         wait_until(lambda: starts_at(run_dir, 2) > grown, timeout_s, "the returning node admitted", started)
     return lost

@@ -86,6 +86,7 @@ class Launch:
                  env: dict, timeout: float, echo: bool, check: bool):
         self.target, self.nproc, self.nodes, self.run_dir = target, nproc, nodes, run_dir
         self.run_id, self.commands, self.timeout, self.echo, self.check = run_dir.name, commands, timeout, echo, check
+        self.env = env
         self.ended_nodes: set[int] = set()
         self.output: list[str] = []
         self._tail = LineTail(run_dir / OUTPUT_FILE)
@@ -123,6 +124,18 @@ class Launch:
                 pass
         self._log.write(f"[launch] node {node} ended on purpose (end_node)\n".encode())
         self._log.flush()
+
+    def rejoin_node(self, node: int) -> None:
+        """Start simulated node `node` again after end_node: its agent asks the rendezvous to let it join."""
+        if node not in self.ended_nodes:
+            raise RequestError(f"node {node} is running: end_node({node}) first (ended: {sorted(self.ended_nodes)}).")
+        self.agents[node] = self._start_agent(node, self.commands[node], self.env)
+        self.ended_nodes.discard(node)
+
+    @property
+    def running_nodes(self) -> list[int]:
+        """The simulated nodes whose torchrun agent is still running."""
+        return self._running()
 
     def _pump(self) -> None:
         """Stream the ranks' new lines, announce new attempts, move the progress bars."""
