@@ -6,6 +6,7 @@ from labsrc.core.forked import RankError, run_ranks
 from labsrc.core.world import RequestError
 from labsrc.labs import pipeline_parallel as lab
 from labsrc.pipeline_parallel import analysis, experiments, schedules
+from labsrc.pipeline_parallel import stages as stages_module
 from labsrc.pipeline_parallel.executor import run_stage
 from labsrc.pipeline_parallel.library import run_library_schedule
 from labsrc.pipeline_parallel.stages import (assert_part_matches, make_batch, make_model, split_model,
@@ -57,13 +58,37 @@ def test_hand_written_and_torch_agree():
     assert max(hand) < 1e-6 and max(torch_) < 1e-6
 
 
+def test_checks_count_backwards_and_name_a_send_never_received():
+    right = run_ranks(experiments.hand_written_check, 2, args=("gpipe", 4))
+    assert [r["backwards"] for r in right] == [[4], [4]] and all(abs(r["scale"] - 1) < 1e-5 for r in right)
+    with pytest.raises(RankError, match="gradient of micro-batch 3 to rank 0, which did not receive it"):
+        run_ranks(experiments.hand_written_check, 2, args=(_first_stage_skips_a_backward, 4),
+                  kwargs={"timeout_s": 2.0}, timeout_s=30)
+    library = run_ranks(experiments.library_check, 2, args=("interleaved_1f1b", 4))
+    assert [r["backwards"] for r in library] == [[4, 4], [4, 4]]
+
+
+def test_gradient_scale_is_the_factor_between_gradients():
+    model = make_model(8, 2)
+    inputs, targets = make_batch(4, 8)
+    reference = unsplit_gradients(model, inputs, targets)
+    part = split_model(model, 1)[0]
+    (4 * torch.nn.functional.mse_loss(part[1](inputs), targets)).backward()   # a loss not divided by m = 4
+    assert stages_module.gradient_scale([part], reference) == pytest.approx(4.0, rel=1e-5)
+
+
+def _first_stage_skips_a_backward(stage, stages, micro_batches):
+    actions = schedules.gpipe_actions(stage, stages, micro_batches)
+    return [a for a in actions if a != ("B", micro_batches - 1)] if stage == 0 else actions
+
+
 def _skips_last(stage, stages, micro_batches):
     actions = schedules.gpipe_actions(stage, stages, micro_batches)
     return [a for a in actions if a[1] != micro_batches - 1] if stage == 1 else actions
 
 
 def test_a_stage_that_skips_a_micro_batch_fails_within_its_timeout():
-    with pytest.raises(RankError):
+    with pytest.raises(RankError, match="micro-batch 3 from rank 1, which never sent it"):
         run_ranks(experiments.hand_written_error, 2, args=(_skips_last, 4), kwargs={"timeout_s": 2.0},
                   timeout_s=30)
 
@@ -115,6 +140,20 @@ def test_timed_schedule_records_every_box_in_list_order():
     assert timeline[1][0]["start"] >= timeline[0][0]["end"]   # stage 1's F0 needs stage 0's F0 first
 
 
+def _timing(repeat, stage, start, end):
+    return lab.ActionTiming(schedule="gpipe", micro_batches=1, repeat=repeat, stage=stage, action="F", micro_batch=0,
+                            start=start, end=end)
+
+
+def test_bubble_sweep_keeps_the_repeat_with_the_shortest_span():
+    timings = [_timing(0, 0, 0.0, 1.0), _timing(0, 1, 1.5, 2.5),     # span 2.5, idle 0.6
+               _timing(1, 0, 0.0, 1.0), _timing(1, 1, 1.0, 2.0),     # span 2.0, idle 0.5: kept
+               _timing(2, 0, 0.0, 2.0), _timing(2, 1, 2.0, 3.0)]     # span 3.0, idle 0.5
+    sweep = analysis.bubble_sweep(timings)[1]
+    assert sweep["kept"] == 1 and sweep["spans"] == [2.5, 2.0, 3.0]
+    assert sweep["measured"] == pytest.approx(0.5) and sweep["formula"] == pytest.approx(0.5)
+
+
 @pytest.mark.parametrize("values,message", [
     ({"micro_batches": (0, 2)}, "micro_batches"),
     ({"check_micro_batches": 3}, "must divide check_batch"),
@@ -131,6 +170,7 @@ def test_lab_launch_records_every_experiment():
                         box_ms=5, memory_micro_batches=4)
     checks = result.of(lab.GradientCheck)
     assert len(checks) == 2 * 6 and max(c.max_error for c in checks) < 1e-6
+    assert all(set(c.backwards) == {c.micro_batches} for c in checks)
     sweep = analysis.bubble_sweep(result.of(lab.ActionTiming))
     assert sorted(sweep) == [1, 2]
     assert analysis.timeline_of(result.of(lab.ActionTiming), "1f1b", 4)[0][0]["action"] == "F"

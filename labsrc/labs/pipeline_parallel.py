@@ -27,7 +27,7 @@ class Options(LabOptions):
     micro_batches: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     """Micro-batch counts m of the timed GPipe sweep (the bubble against (p-1)/(m+p-1))."""
     check_micro_batches: int = 4
-    """m for the gradient checks, the 1F1B timing and the Gantt charts (interleaved needs a multiple of p)."""
+    """m for the gradient checks, the 1F1B timing and the Gantt charts (torch's interleaved 1F1B: a multiple of p)."""
     check_batch: int = 8
     """Samples in the gradient checks' batch; check_micro_batches must divide it."""
     memory_micro_batches: int = 8
@@ -67,6 +67,10 @@ class GradientCheck(Record):
     """naive, gpipe, 1f1b or interleaved_1f1b."""
     micro_batches: int
     max_error: float
+    scale: float
+    """c in gradients = c x unsplit gradients, fitted (1.0 right; m if the loss is not divided by m)."""
+    backwards: list[int]
+    """Backwards that reached each stage this rank holds (one stage; two when interleaved): m each."""
 
 
 @dataclass
@@ -106,14 +110,13 @@ class MemoryPeak(Record):
 def check_gradients(ctx, records, options: Options) -> None:
     m, batch = options.check_micro_batches, options.check_batch
     for schedule in schedules.SCHEDULES:
-        error = experiments.hand_written_error(ctx, schedule, m, batch=batch, timeout_s=options.pg_timeout_s)
+        report = experiments.hand_written_check(ctx, schedule, m, batch=batch, timeout_s=options.pg_timeout_s)
         used = schedules.effective_micro_batches(schedule, m)
-        records.write(GradientCheck(implementation="hand-written", schedule=schedule, micro_batches=used,
-                                    max_error=error))
+        records.write(GradientCheck(implementation="hand-written", schedule=schedule, micro_batches=used, **report))
     for schedule in LIBRARY_SCHEDULES:
-        error = experiments.library_error(ctx, schedule, m, batch=batch)
+        report = experiments.library_check(ctx, schedule, m, batch=batch)
         records.write(GradientCheck(implementation="torch.distributed.pipelining", schedule=schedule,
-                                    micro_batches=m, max_error=error))
+                                    micro_batches=m, **report))
 
 
 def time_schedules(ctx, records, options: Options) -> None:

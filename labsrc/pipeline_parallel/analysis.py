@@ -23,21 +23,24 @@ def timeline_of(timings: list, schedule: str, micro_batches: int, repeat: int = 
 
 
 def bubble_sweep(timings: list, schedule: str = "gpipe") -> dict[int, dict]:
-    """{m: {"repeats": idle fraction of each repeat, "measured": the smallest, "formula": (p-1)/(m+p-1)}}.
+    """{m: {"repeats", "spans", "kept", "measured", "formula"}} over the timed steps of one schedule.
 
-    A repeat's idle fraction is the mean over stages of schedules.idle_fractions. Load from other work on
-    the machine only ever adds idle time, so the least disturbed repeat is the smallest.
+    repeats: each repeat's idle fraction (mean over stages of schedules.idle_fractions); spans: its span
+    (seconds). Load from other work can only lengthen a span (no box is shorter than its box_ms, no message
+    arrives before it is sent), so the repeat with the shortest span is the least disturbed one: kept is
+    its index, measured its idle fraction; formula is (p-1)/(m+p-1).
     """
     sweep: dict[int, dict] = {}
     for m in sorted({t.micro_batches for t in timings if t.schedule == schedule}):
         repeats = sorted({t.repeat for t in timings if (t.schedule, t.micro_batches) == (schedule, m)})
-        fractions = []
+        fractions, spans = [], []
         for repeat in repeats:
             timeline = timeline_of(timings, schedule, m, repeat)
             fractions.append(sum(schedules.idle_fractions(timeline)) / len(timeline))
-            stages = len(timeline)
-        sweep[m] = {"repeats": fractions, "measured": min(fractions),
-                    "formula": schedules.bubble_formula(stages, m)}
+            spans.append(max(e["end"] for events in timeline for e in events))
+        kept = spans.index(min(spans))
+        sweep[m] = {"repeats": fractions, "spans": spans, "kept": kept, "measured": fractions[kept],
+                    "formula": schedules.bubble_formula(len(timeline), m)}
     return sweep
 
 

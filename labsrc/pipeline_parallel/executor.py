@@ -76,6 +76,7 @@ def run_stage(module: nn.Module, actions: list, stage: int, stages: int, inputs:
     micro_inputs, micro_targets = inputs.chunk(micro_batches), targets.chunk(micro_batches)
     kept: dict[int, tuple] = {}   # micro-batch -> (stage input, output or loss) until its backward
     sends: list = []
+    receivers: list[tuple[int, int]] = []   # (rank, micro-batch) of each send, for a clear timeout
     timeline = []
     hooks = torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter else nullcontext()
     with hooks:
@@ -92,6 +93,7 @@ def run_stage(module: nn.Module, actions: list, stage: int, stages: int, inputs:
                 timeline.append({"action": "F", "micro_batch": j, "start": start, "end": time.perf_counter()})
                 if stage < stages - 1:
                     sends.append(_send(output.detach(), stage + 1, j))
+                    receivers.append((stage + 1, j))
                 kept[j] = (stage_input, output)
             else:
                 stage_input, output = kept.pop(j)
@@ -105,10 +107,22 @@ def run_stage(module: nn.Module, actions: list, stage: int, stages: int, inputs:
                 timeline.append({"action": "B", "micro_batch": j, "start": start, "end": time.perf_counter()})
                 if stage > 0:
                     sends.append(_send(stage_input.grad, stage - 1, j))
+                    receivers.append((stage - 1, j))
                 del stage_input, output
-    for work, _ in sends:
-        work.wait(timeout)
+    for (work, _), (destination, j) in zip(sends, receivers):
+        _wait_for_send(work, timeout, destination, j)
     return timeline
+
+
+def _wait_for_send(work, timeout: timedelta, destination: int, tag: int) -> None:
+    """Wait for a send to be taken; gloo's send completes only once the other rank has posted its receive."""
+    try:
+        work.wait(timeout)
+    except RuntimeError as error:
+        what = "gradient" if destination < dist.get_rank() else "activation"
+        raise TimeoutError(f"rank {dist.get_rank()} sent the {what} of micro-batch {tag} to rank {destination}, "
+                           f"which did not receive it within {timeout.total_seconds():g} s: does that stage's "
+                           f"action list skip it?") from error
 
 
 def _finish_box(device, start: float, box_s: float, spin_s: float = 0.008) -> None:
@@ -137,7 +151,16 @@ def _send(tensor: torch.Tensor, destination: int, tag: int) -> tuple:
 
 
 def _receive(shape, dtype, device, source: int, tag: int, timeout: timedelta) -> torch.Tensor:
-    """A tensor from rank `source` (tag: the micro-batch), marked to collect its gradient."""
+    """A tensor from rank `source` (tag: the micro-batch), marked to collect its gradient.
+
+    Raises TimeoutError naming the stage and the micro-batch when nothing arrives within timeout.
+    """
     buffer = torch.empty(shape, dtype=dtype, device="cpu" if _through_host(device) else device)
-    dist.irecv(buffer, source, tag=tag).wait(timeout)
+    try:
+        dist.irecv(buffer, source, tag=tag).wait(timeout)
+    except RuntimeError as error:
+        what = "gradient" if source > dist.get_rank() else "activation"
+        raise TimeoutError(f"rank {dist.get_rank()} waited {timeout.total_seconds():g} s for the {what} of "
+                           f"micro-batch {tag} from rank {source}, which never sent it: does that stage's "
+                           f"action list skip it?") from error
     return buffer.to(device).requires_grad_()

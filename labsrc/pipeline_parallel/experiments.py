@@ -1,24 +1,50 @@
 """What one rank runs for each experiment of lesson 08: gradient checks, a timed schedule, saved-tensor peaks."""
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from labsrc.pipeline_parallel import schedules
 from labsrc.pipeline_parallel.executor import SavedTensorMeter, run_stage
-from labsrc.pipeline_parallel.library import run_library_schedule
-from labsrc.pipeline_parallel.stages import (full_batch_loss, gradient_error, make_batch, make_model, split_model,
-                                             unsplit_gradients)
+from labsrc.pipeline_parallel.library import run_library_schedule, stages_held
+from labsrc.pipeline_parallel.stages import (full_batch_loss, gradient_error, gradient_scale, make_batch, make_model,
+                                             split_model, unsplit_gradients)
 
 ActionsFunction = Callable[[int, int, int], list]
 """(stage, stages, micro_batches) -> that stage's action list."""
 
 
-def hand_written_error(ctx, schedule: str | ActionsFunction, micro_batches: int, width: int = 16,
-                       batch: int = 8, seed: int = 0, timeout_s: float = 30.0) -> float:
-    """Largest gradient difference between this rank's stage, trained by a hand-written schedule, and the unsplit model.
+@contextmanager
+def counting_backwards(modules: list) -> Iterator[list[int]]:
+    """Yields one count per module: the backwards that reached it (accumulated into its first parameter)."""
+    counts = [0] * len(modules)
+
+    def hook_for(index):
+        def hook(_parameter):
+            counts[index] += 1
+        return hook
+
+    handles = [next(module.parameters()).register_post_accumulate_grad_hook(hook_for(index))
+               for index, module in enumerate(modules)]
+    try:
+        yield counts
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _report(parts: list, reference: list, backwards: list[int]) -> dict:
+    """{"max_error", "scale", "backwards"} for the parts a rank held (see labs.pipeline_parallel.GradientCheck)."""
+    return {"max_error": max(gradient_error(part, reference) for part in parts),
+            "scale": gradient_scale(parts, reference), "backwards": list(backwards)}
+
+
+def hand_written_check(ctx, schedule: str | ActionsFunction, micro_batches: int, width: int = 16,
+                       batch: int = 8, seed: int = 0, timeout_s: float = 30.0) -> dict:
+    """This rank's stage, trained by a hand-written schedule, against the unsplit model: error, scale, backwards run.
 
     schedule: a name in schedules.SCHEDULES or a function giving the action lists. The model has
     2 blocks per stage; the batch [batch, width] is cut into micro_batches (naive: 1).
@@ -33,11 +59,17 @@ def hand_written_error(ctx, schedule: str | ActionsFunction, micro_batches: int,
     inputs, targets = make_batch(batch, width, seed, ctx.device)
     reference = unsplit_gradients(model, inputs, targets)
     part = split_model(model, stages, ctx.device)[ctx.rank]
-    run_stage(part[1], actions, ctx.rank, stages, inputs, targets, micro_batches, timeout_s)
-    return gradient_error(part, reference)
+    with counting_backwards([part[1]]) as backwards:
+        run_stage(part[1], actions, ctx.rank, stages, inputs, targets, micro_batches, timeout_s)
+    return _report([part], reference, backwards)
 
 
-def library_error(ctx, schedule: str, micro_batches: int, width: int = 16, batch: int = 8, seed: int = 0) -> float:
+def hand_written_error(ctx, schedule: str | ActionsFunction, micro_batches: int, **sizes) -> float:
+    """Largest |gradient - unsplit gradient| over this rank's stage after a hand-written schedule."""
+    return hand_written_check(ctx, schedule, micro_batches, **sizes)["max_error"]
+
+
+def library_check(ctx, schedule: str, micro_batches: int, width: int = 16, batch: int = 8, seed: int = 0) -> dict:
     """The same comparison for torch.distributed.pipelining's schedule (interleaved: 2 stages a rank)."""
     stages = 2 * ctx.world_size if schedule == "interleaved_1f1b" else ctx.world_size
     # gloo moves CPU tensors only: ranks sharing a GPU through gloo run torch's schedules on the CPU
@@ -46,8 +78,15 @@ def library_error(ctx, schedule: str, micro_batches: int, width: int = 16, batch
     inputs, targets = make_batch(batch, width, seed, device)
     reference = unsplit_gradients(model, inputs, targets)
     parts = split_model(model, stages, device)
-    held = run_library_schedule(schedule, parts, ctx.rank, ctx.world_size, inputs, targets, micro_batches)
-    return max(gradient_error(part, reference) for part in held)
+    held = [parts[index] for index in stages_held(schedule, ctx.rank, ctx.world_size)]
+    with counting_backwards([module for _, module in held]) as backwards:
+        run_library_schedule(schedule, parts, ctx.rank, ctx.world_size, inputs, targets, micro_batches)
+    return _report(held, reference, backwards)
+
+
+def library_error(ctx, schedule: str, micro_batches: int, **sizes) -> float:
+    """Largest |gradient - unsplit gradient| over the stages this rank holds after torch's schedule."""
+    return library_check(ctx, schedule, micro_batches, **sizes)["max_error"]
 
 
 def timed_schedule(ctx, schedule: str, micro_batches: int, width: int, blocks_per_stage: int,

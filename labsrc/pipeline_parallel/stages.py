@@ -64,6 +64,23 @@ def gradient_error(part: tuple[range, nn.Module], reference: list[list[torch.Ten
     return worst
 
 
+def gradient_scale(parts: list[tuple[range, nn.Module]], reference: list[list[torch.Tensor]]) -> float:
+    """The factor c that best fits gradients = c x unsplit gradients (least squares over the parts' parameters).
+
+    1.0 when the loss is scaled right; m when each micro-batch's loss is not divided by m.
+    """
+    dot = norm = 0.0
+    for blocks, module in parts:
+        for local, index in enumerate(blocks):
+            for mine, expected in zip(module[local].parameters(), reference[index]):
+                if mine.grad is None:
+                    return 0.0
+                expected = expected.to(mine.grad.device)
+                dot += (mine.grad * expected).sum().item()
+                norm += (expected * expected).sum().item()
+    return dot / norm
+
+
 def assert_part_matches(part: tuple[range, nn.Module], reference: list[list[torch.Tensor]], **tolerance) -> None:
     """torch.testing.assert_close on every parameter gradient of the part against the unsplit model's."""
     blocks, module = part
