@@ -1,7 +1,10 @@
 """DeepSpeed ZeRO stages 0-3 on the same small model, step for step beside one process (an optional extra).
 
 DeepSpeed is not in the default set-up: `make deepspeed` installs requirements-deepspeed.txt (DS_BUILD_OPS=0,
-no compiled ops). On the CPU it runs with DS_ACCELERATOR=cpu, which picks gloo.
+no ops compiled at install). On the CPU it runs with DS_ACCELERATOR=cpu, which picks gloo (oneCCL when its torch
+bindings are installed). Even so, the first deepspeed.initialize compiles one small C++ op, its shared-memory
+collectives (deepspeed_shm_comm), with the system's c++ and ninja, and probing which ops could be built links
+against libaio (Debian: libaio-dev); the build is cached under TORCH_EXTENSIONS_DIR (~/.cache/torch_extensions).
 """
 from __future__ import annotations
 

@@ -121,11 +121,11 @@ def save_sharded(ctx, folder: str, depth: int, width: int, batches, lr: float) -
         optimizer.zero_grad()
     model_state, optimizer_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=folder)
-    return full_model_state(model)
+    return {"model": full_model_state(model), "optimizer": full_optimizer_state(model, optimizer)}
 
 
 def load_sharded(ctx, folder: str, depth: int, width: int, lr: float) -> dict:
-    """Load the checkpoint into a fully_shard model on m ranks; return the full state and an optimizer state sum."""
+    """Load the checkpoint into a fully_shard model on m ranks; return the full model and optimizer states."""
     model = sharded_model(depth, width, "reshard", torch.device("cpu"), seed=99)  # other weights: all must change
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     model_state, optimizer_state = get_state_dict(model, optimizer)
@@ -133,7 +133,8 @@ def load_sharded(ctx, folder: str, depth: int, width: int, lr: float) -> dict:
     dcp.load(state, checkpoint_id=folder)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     steps = {float(s["step"]) for s in optimizer.state.values()}
-    return {"model": full_model_state(model), "optimizer_steps": sorted(steps)}
+    return {"model": full_model_state(model), "optimizer": full_optimizer_state(model, optimizer),
+            "optimizer_steps": sorted(steps)}
 
 
 def full_model_state(model: nn.Module) -> dict:
@@ -141,3 +142,13 @@ def full_model_state(model: nn.Module) -> dict:
     options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     state, _ = get_state_dict(model, [], options=options)
     return {name: tensor.clone() for name, tensor in state.items()} if dist.get_rank() == 0 else {}
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """{"<parameter>.<state>": full tensor} of the optimizer (exp_avg, exp_avg_sq, step) on rank 0, gathered."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    _, state = get_state_dict(model, optimizer, options=options)
+    if dist.get_rank() != 0:
+        return {}
+    return {f"{name}.{key}": value.clone() for name, values in state["state"].items()
+            for key, value in values.items() if torch.is_tensor(value)}

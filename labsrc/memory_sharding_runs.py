@@ -7,7 +7,7 @@ from torch import nn
 
 from labsrc.memory_sharding import FP32, MIXED, deep_mlp, held_bytes, optimizer_state_bytes
 from labsrc.memory_sharding_zero import ShardedOptimizer, Traffic, all_reduce_counted, flatten, unflatten_into
-from labsrc.memory_sharding_zero3 import FullyShardedModel
+from labsrc.memory_sharding_zero3 import FullyShardedModel, ShardedLayer
 
 
 def make_batches(steps: int, batch: int, inputs: int = 16, outputs: int = 4, seed: int = 0) -> list:
@@ -28,6 +28,27 @@ def unsharded_trajectory(depth: int, width: int, batches, lr: float) -> list[dic
         optimizer.zero_grad()
         trajectory.append({name: p.detach().clone() for name, p in model.named_parameters()})
     return trajectory
+
+
+def unsharded_gradients(depth: int, width: int, batches, lr: float) -> list[dict]:
+    """The whole-batch gradient of every parameter before each AdamW step of one process: the reference that
+    every rank's averaged gradient shard must equal (AdamW's update barely changes when a gradient is scaled,
+    so a parameter comparison alone would miss a gradient summed but not averaged)."""
+    model = deep_mlp(depth, width)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    gradients = []
+    for x, y in batches:
+        nn.functional.mse_loss(model(x), y).backward()
+        gradients.append({name: p.grad.detach().clone() for name, p in model.named_parameters()})
+        optimizer.step()
+        optimizer.zero_grad()
+    return gradients
+
+
+def shard_gap(shard: torch.Tensor, reference: list[torch.Tensor], ctx) -> float:
+    """Largest |this rank's (padded/n,) gradient shard - the same slice of the flattened reference gradients|."""
+    expected = flatten(reference, ctx.world_size, torch.float32).view(ctx.world_size, -1)[ctx.rank]
+    return float((shard.detach().float() - expected).abs().max())
 
 
 def _local(ctx, x, y):
@@ -54,37 +75,48 @@ def ddp_by_hand(ctx, depth: int, width: int, batches, lr: float, traffic: Traffi
 
 
 def sharded_optimizer_run(ctx, stage: int, depth: int, width: int, batches, lr: float, traffic: Traffic,
-                          dtype=torch.float32, trajectory=None) -> dict:
+                          dtype=torch.float32, trajectory=None, gradients=None) -> dict:
     """Stage 1 or 2 with ShardedOptimizer; bytes held measured after gradient sync (from the second step, when
-    the optimizer state exists); the largest gap to the reference after each step (fp32 only)."""
+    the optimizer state exists); the largest gap to the reference after each step (fp32 only), and, given
+    the reference `gradients`, the gap of this rank's averaged gradient shard before each step."""
     model = deep_mlp(depth, width).to(dtype)
     optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, traffic=traffic, lr=lr)
-    held, gaps = {}, []
+    held, gaps, gradient_gaps = {}, [], []
     for index, (x, y) in enumerate(batches):
         x, y = _local(ctx, x.to(dtype), y.to(dtype))
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.synchronize_gradients()
+        if gradients is not None:
+            reference = [gradients[index][name] for name, _ in model.named_parameters()]
+            gradient_gaps.append(shard_gap(optimizer.gradient_shard, reference, ctx))
         held = {"parameters": held_bytes(model.parameters()), "gradients": optimizer.gradient_bytes(),
                 "optimizer": optimizer.state_bytes()}
         optimizer.step()
         optimizer.zero_grad()
         if trajectory is not None:
             gaps.append(largest_gap(dict(model.named_parameters()), trajectory[index]))
-    return {"held": held, "gaps": gaps, "layout": MIXED.key if dtype != torch.float32 else "fp32_master"}
+    return {"held": held, "gaps": gaps, "gradient_gaps": gradient_gaps,
+            "layout": MIXED.key if dtype != torch.float32 else "fp32_master"}
 
 
 def fully_sharded_run(ctx, depth: int, width: int, batches, lr: float, traffic: Traffic,
-                      compute_dtype=None, trajectory=None) -> dict:
-    """Stage 3 with FullyShardedModel: bytes held, full weights alive between forward and backward, gaps."""
+                      compute_dtype=None, trajectory=None, gradients=None) -> dict:
+    """Stage 3 with FullyShardedModel: bytes held, full weights alive between forward and backward, gaps of the
+    parameters after each step and (given the reference `gradients`) of each layer's averaged gradient shard."""
     model = FullyShardedModel(deep_mlp(depth, width), traffic, compute_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    held, gaps, alive = {}, [], []
+    held, gaps, gradient_gaps, alive = {}, [], [], []
     for index, (x, y) in enumerate(batches):
         x, y = _local(ctx, x, y)
         loss = nn.functional.mse_loss(model(x), y)
         alive.append(model.full_weights_alive())
         loss.backward()
         model.finish_gradient_sync()
+        if gradients is not None:
+            gradient_gaps.append(max(shard_gap(layer.shard.grad, [gradients[index][f"{position}.{name}"]
+                                                                   for name in layer.names], ctx)
+                                     for position, layer in enumerate(model.layers)
+                                     if isinstance(layer, ShardedLayer)))
         held = {"parameters": held_bytes(model.parameters()),
                 "gradients": held_bytes(p.grad for p in model.parameters()),
                 "optimizer": optimizer_state_bytes(optimizer)}
@@ -92,7 +124,8 @@ def fully_sharded_run(ctx, depth: int, width: int, batches, lr: float, traffic: 
         optimizer.zero_grad()
         if trajectory is not None:
             gaps.append(largest_gap(model.full_state_dict(), trajectory[index]))
-    return {"held": held, "gaps": gaps, "alive_after_forward": max(alive), "layout": FP32.key}
+    return {"held": held, "gaps": gaps, "gradient_gaps": gradient_gaps, "alive_after_forward": max(alive),
+            "layout": FP32.key}
 
 
 def largest_gap(parameters: dict, reference: dict) -> float:

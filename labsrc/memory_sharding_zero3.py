@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -111,9 +112,17 @@ class FullyShardedModel(nn.Module):
         for layer in self.sharded_layers():
             layer.finish_gradient_sync()
 
-    def full_weights_alive(self) -> int:
-        """How many full (gathered) weight buffers still exist: 0 between forward and backward."""
-        return sum(len(layer.alive) for layer in self.sharded_layers())
+    def full_weights_alive(self, patience_s: float = 2.0) -> int:
+        """How many full (gathered) weight buffers still exist: 0 between forward and backward.
+
+        A gathered buffer was once seen to outlive forward by a moment on one gloo rank of a heavily loaded
+        machine (something outside Python still held it), so the count is polled for up to patience_s; a
+        buffer that forward kept for backward never goes.
+        """
+        deadline = time.monotonic() + patience_s
+        while (alive := sum(len(layer.alive) for layer in self.sharded_layers())) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return alive
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter at full size, gathered from the shards (for checking and for saving)."""

@@ -21,17 +21,45 @@ def reference():
     return runs.unsharded_trajectory(DEPTH, WIDTH, batches(), LR)
 
 
-def _stage(ctx, stage, trajectory):
+def reference_gradients():
+    return runs.unsharded_gradients(DEPTH, WIDTH, batches(), LR)
+
+
+def _stage(ctx, stage, trajectory, gradients):
     if stage == 3:
-        return runs.fully_sharded_run(ctx, DEPTH, WIDTH, batches(), LR, Traffic(), trajectory=trajectory)
-    return runs.sharded_optimizer_run(ctx, stage, DEPTH, WIDTH, batches(), LR, Traffic(), trajectory=trajectory)
+        return runs.fully_sharded_run(ctx, DEPTH, WIDTH, batches(), LR, Traffic(), trajectory=trajectory,
+                                      gradients=gradients)
+    return runs.sharded_optimizer_run(ctx, stage, DEPTH, WIDTH, batches(), LR, Traffic(), trajectory=trajectory,
+                                      gradients=gradients)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_hand_written_stages_follow_one_process(stage, world_size):
-    for result in run_ranks(_stage, world_size, (stage, reference())):
+    for result in run_ranks(_stage, world_size, (stage, reference(), reference_gradients())):
         assert len(result["gaps"]) == 3 and max(result["gaps"]) < 1e-6, result["gaps"]
+        assert len(result["gradient_gaps"]) == 3 and max(result["gradient_gaps"]) < 1e-6, result["gradient_gaps"]
+
+
+def _summed_not_averaged(ctx, trajectory, gradients):
+    from labsrc import memory_sharding_zero as zero
+    original = zero.ShardedOptimizer.synchronize_gradients
+
+    def times_n(self):  # the reduce-scattered sum, never divided by n
+        original(self)
+        self.gradient_shard = self.gradient_shard * self.world_size
+    zero.ShardedOptimizer.synchronize_gradients = times_n
+    try:
+        return runs.sharded_optimizer_run(ctx, 2, DEPTH, WIDTH, batches(), LR, Traffic(), trajectory=trajectory,
+                                          gradients=gradients)
+    finally:
+        zero.ShardedOptimizer.synchronize_gradients = original
+
+
+def test_a_gradient_not_divided_by_n_shows_in_the_gradient_not_in_adams_parameters():
+    result = run_ranks(_summed_not_averaged, 2, (reference(), reference_gradients()))[0]
+    assert min(result["gradient_gaps"]) > 1e-3, result["gradient_gaps"]
+    assert max(result["gaps"]) < 1e-4, result["gaps"]  # Adam's update changes only through eps: a small drift
 
 
 def _held(ctx, stage):
@@ -105,9 +133,11 @@ def test_checkpoint_saved_on_four_ranks_loads_on_two(tmp_path):
     folder = str(tmp_path / "checkpoint")
     saved = run_ranks(production.save_sharded, 4, (folder, DEPTH, WIDTH, batches(), LR))[0]
     loaded = run_ranks(production.load_sharded, 2, (folder, DEPTH, WIDTH, LR))[0]
-    assert saved.keys() == loaded["model"].keys()
-    for name, tensor in saved.items():
-        torch.testing.assert_close(loaded["model"][name], tensor, rtol=0, atol=0)
+    for part in ("model", "optimizer"):
+        assert saved[part].keys() == loaded[part].keys() and saved[part], part
+        for name, tensor in saved[part].items():
+            torch.testing.assert_close(loaded[part][name], tensor, rtol=0, atol=0)
+    assert any(name.endswith("exp_avg_sq") for name in saved["optimizer"])
     assert loaded["optimizer_steps"] == [3.0]
 
 

@@ -69,12 +69,14 @@ class MemoryRow(Record):
 
 @dataclass
 class StepGap(Record):
-    """Largest |sharded parameter - one-process parameter| after one step of one run."""
+    """One step of one run: largest |averaged gradient shard - one process's gradient| before the optimizer step,
+    and largest |sharded parameter - one-process parameter| after it."""
 
     KIND: ClassVar[str] = "step_gap"
     run: str
     step: int
     gap: float
+    gradient_gap: float
 
 
 @dataclass
@@ -147,9 +149,11 @@ class ZeroOptimizerRow(Record):
     unsharded_optimizer_bytes: int
 
 
-def hand_zero(ctx, records, options: Options, batches, trajectory, parameters: int) -> None:
-    """Stages 0-3 written by hand: bytes held (beside the formula), bytes sent, parameters after every step."""
+def hand_zero(ctx, records, options: Options, batches, reference: tuple[list, list], parameters: int) -> None:
+    """Stages 0-3 written by hand: bytes held (beside the formula), bytes sent, gradients and parameters against
+    one process's (`reference`: its parameters after each step, its gradients before each step)."""
     n = ctx.world_size
+    trajectory, gradients = reference
     arguments = (options.depth, options.width, batches, options.lr)
     measured = {0: runs.ddp_by_hand(ctx, *arguments, Traffic())}
     for stage in (1, 2):
@@ -157,10 +161,12 @@ def hand_zero(ctx, records, options: Options, batches, trajectory, parameters: i
     traffic = {name: Traffic() for name in ("stage 0", "stage 1", "stage 2", "stage 3", "stage 3 bf16")}
     runs.ddp_by_hand(ctx, *arguments, traffic["stage 0"])
     results = {f"stage {s}": runs.sharded_optimizer_run(ctx, s, *arguments, traffic[f"stage {s}"],
-                                                        trajectory=trajectory) for s in (1, 2)}
-    results["stage 3"] = runs.fully_sharded_run(ctx, *arguments, traffic["stage 3"], trajectory=trajectory)
+                                                        trajectory=trajectory, gradients=gradients) for s in (1, 2)}
+    results["stage 3"] = runs.fully_sharded_run(ctx, *arguments, traffic["stage 3"], trajectory=trajectory,
+                                                gradients=gradients)
     results["stage 3 bf16"] = runs.fully_sharded_run(ctx, *arguments, traffic["stage 3 bf16"],
-                                                     compute_dtype=torch.bfloat16, trajectory=trajectory)
+                                                     compute_dtype=torch.bfloat16, trajectory=trajectory,
+                                                     gradients=gradients)
     measured[3] = results["stage 3"]
     records.write(Resharded(results["stage 3"]["alive_after_forward"]))
     for stage, run in measured.items():
@@ -170,8 +176,8 @@ def hand_zero(ctx, records, options: Options, batches, trajectory, parameters: i
         records.write(MemoryRow(stage, layout.key, held["parameters"], held["gradients"], held["optimizer"],
                                 formula["parameters"], formula["gradients"], formula["optimizer"]))
     for run, result in results.items():
-        for step, gap in enumerate(result["gaps"]):
-            records.write(StepGap(run, step, gap))
+        for step, (gap, gradient_gap) in enumerate(zip(result["gaps"], result["gradient_gaps"])):
+            records.write(StepGap(run, step, gap, gradient_gap))
     for run, counted in traffic.items():
         stage = int(run.split()[1])
         formula = options.steps * memory.communication_formula(parameters, n, stage)
@@ -213,10 +219,11 @@ def memory_sharding_lab(ctx, records, options: Options) -> dict:
                            "(the notebook does); FSDP2 on GPUs is in the notebook's 'On a GPU, try'.")
     batches = runs.make_batches(options.steps, options.batch, seed=options.seed)
     trajectory = runs.unsharded_trajectory(options.depth, options.width, batches, options.lr)
+    gradients = runs.unsharded_gradients(options.depth, options.width, batches, options.lr)
     parameters = memory.count_parameters(memory.deep_mlp(options.depth, options.width))
     steps = ("hand-written ZeRO", "activations", "torch APIs")
     records.progress(0, len(steps))
-    hand_zero(ctx, records, options, batches, trajectory, parameters)
+    hand_zero(ctx, records, options, batches, (trajectory, gradients), parameters)
     records.progress(1, len(steps))
     if ctx.is_main:
         activations(records, options)
@@ -224,8 +231,9 @@ def memory_sharding_lab(ctx, records, options: Options) -> dict:
     torch_apis(ctx, records, options, batches, trajectory[-1])
     records.progress(3, len(steps))
     first_layer = memory.count_parameters(memory.deep_mlp(options.depth, options.width)[0])
-    return {"parameters": parameters, "first_layer_parameters": first_layer, "depth": options.depth, "width": options.width, "steps": options.steps,
-            "checkpoint_depth": options.checkpoint_depth, "best_segments": memory.best_segments(options.checkpoint_depth)}
+    return {"parameters": parameters, "first_layer_parameters": first_layer, "depth": options.depth,
+            "width": options.width, "steps": options.steps, "checkpoint_depth": options.checkpoint_depth,
+            "best_segments": memory.best_segments(options.checkpoint_depth)}
 
 
 def main(argv=None):
