@@ -66,9 +66,12 @@ test-tensorflow: tensorflow
 	MPLBACKEND=Agg $(TF_VENV)/bin/python -m pytest tests_tensorflow appendix/13_tensorflow_mirrored.ipynb \
 		--nbmake --nbmake-timeout=$(NOTEBOOK_TIMEOUT)
 
-# DeepSpeed (notebook 09's last section): added to the course's venv; without it those cells skip.
+# DeepSpeed (notebook 09's last section): added to the course's venv; without it those cells skip. Its CPU
+# accelerator compiles one C++ op (shared-memory communication, with c++ and ninja) on first use whatever
+# DS_BUILD_OPS says: it is built here once, so a training run does not compile under its timeout.
 deepspeed: setup
 	DS_BUILD_OPS=0 $(PYTHON) -m pip install -q -r requirements-deepspeed.txt
+	DS_ACCELERATOR=cpu $(PYTHON) -c "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder; ShareMemCommBuilder().load()"
 
 test-deepspeed: deepspeed
 	DS_ACCELERATOR=cpu LABSRC_PROFILE=ci $(PYTHON) -m pytest tests/test_deepspeed.py
