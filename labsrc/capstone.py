@@ -18,10 +18,11 @@ from labsrc.training.timing import timed
 
 @dataclass(frozen=True)
 class Schedule:
-    """Warm-up from the base rate to the linearly scaled peak, then a cosine decay to end_lr.
+    """Warm-up to the linearly scaled peak, then a cosine decay to end_lr.
 
     Goyal et al. 2017 ("Accurate, Large Minibatch SGD"): the rate that works at base_batch, times
-    global_batch / base_batch, reached by a linear ramp that starts from the base rate.
+    global_batch / base_batch, reached by a linear ramp that starts from the base rate. A global batch below
+    base_batch has its peak below the base rate: nothing to warm up to, the ramp stays at the peak.
     """
 
     base_lr: float
@@ -31,7 +32,7 @@ class Schedule:
     global_batch: int
     """The global batch of this run (all ranks together)."""
     warmup_steps: int
-    """Steps of the linear ramp from base_lr to the peak (0: start at the peak)."""
+    """Steps of the linear ramp from min(base_lr, peak) to the peak (0: start at the peak)."""
     total_steps: int
     """Steps of the whole run; the cosine ends here."""
     end_lr: float = 0.0
@@ -47,15 +48,17 @@ def learning_rate(step_index: int, schedule: Schedule) -> float:
     """The rate for optimizer step step_index (0-based): ramp, then cosine from the peak to end_lr."""
     peak = schedule.peak_lr
     if step_index < schedule.warmup_steps:
-        return schedule.base_lr + (peak - schedule.base_lr) * step_index / schedule.warmup_steps
+        first = min(schedule.base_lr, peak)  # never start above the peak (a batch smaller than base_batch)
+        return first + (peak - first) * step_index / schedule.warmup_steps
     decay_steps = max(1, schedule.total_steps - 1 - schedule.warmup_steps)
     progress = min(1.0, (step_index - schedule.warmup_steps) / decay_steps)
     return schedule.end_lr + (peak - schedule.end_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 def gpu_precision() -> str:
-    """bf16 on the current GPU when it supports it (no loss scaling needed), else fp16 with a GradScaler."""
-    return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    """bf16 on a GPU with bf16 tensor cores (compute capability 8.0+, no loss scaling needed), else fp16 with a
+    GradScaler. including_emulation=False: an older GPU only emulates bf16, slower than fp16."""
+    return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
 
 
 def time_precisions(model_name: str, batch: int, image_size: int, precisions=("fp32", "bf16"),
@@ -140,10 +143,14 @@ def load_snapshot(path: Path | str, model, optimizer, scaler, device: torch.devi
     return int(state["step"])
 
 
-def state_digest(model: torch.nn.Module) -> str:
-    """SHA-256 of every parameter's and buffer's bytes, in state_dict order: equal digests, equal models."""
+def state_digest(model: torch.nn.Module, part: str = "all") -> str:
+    """SHA-256 of the bytes of every parameter and buffer ("all"), or of the "parameters" or the "buffers"
+    only, in state_dict order: equal digests, equal tensors."""
+    chosen = {"all": None, "parameters": dict(model.named_parameters()), "buffers": dict(model.named_buffers())}[part]
     digest = hashlib.sha256()
     for name, tensor in model.state_dict().items():
+        if chosen is not None and name not in chosen:
+            continue
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()

@@ -17,6 +17,8 @@ from labsrc.training.loop import autocast, step, tf32
 from labsrc.training.models import build_model
 from labsrc.training.timing import timed
 
+ORDER_EPOCHS = 2  # epochs whose sample order every rank reports: enough to see the reshuffle, small at any scale
+
 
 @dataclass(frozen=True)
 class RunSettings:
@@ -53,16 +55,19 @@ def per_rank_loader(dataset: Dataset, batch: int, ctx, seed: int, epoch: int, nu
     return loader, sampler
 
 
-def batches_from(dataset: Dataset, batch: int, ctx, settings: RunSettings, start_step: int) -> Iterator:
+def batches_from(dataset: Dataset, batch: int, ctx, settings: RunSettings, start_step: int,
+                 on_epoch: Callable[[int, list[int]], None] = lambda epoch, order: None) -> Iterator:
     """(epoch, images (batch, 3, H, W), labels (batch,)) from optimizer step start_step on, without end.
 
     Resuming mid-epoch reads and drops the batches already trained on, so the data order and the
-    augmentation draws continue exactly where the snapshot left them.
+    augmentation draws continue exactly where the snapshot left them. on_epoch(epoch, order) sees the
+    dataset indices this rank's sampler hands out in each epoch, in order.
     """
     steps_per_epoch = len(dataset) // (batch * ctx.world_size)
     epoch, done = divmod(start_step, steps_per_epoch)
     while True:
-        loader, _ = per_rank_loader(dataset, batch, ctx, settings.seed, epoch, settings.num_workers)
+        loader, sampler = per_rank_loader(dataset, batch, ctx, settings.seed, epoch, settings.num_workers)
+        on_epoch(epoch, list(sampler))
         for images, labels in itertools.islice(loader, done, None):
             yield epoch, images, labels
         epoch, done = epoch + 1, 0
@@ -142,8 +147,10 @@ def train_run(ctx, settings: RunSettings, train_set: Dataset, held_out: Dataset,
               report: Callable[[str, dict], None], stop_after: Callable[[int], bool] = lambda step_index: False) -> dict:
     """Train to settings.schedule.total_steps (resuming from snapshot when it exists); report(kind, values) logs.
 
-    report gets "start", "log" (all-reduced loss, rate, throughput), "evaluation" (held-out accuracy and the
-    training seconds so far), "snapshot" and "final" (this rank's state digest). stop_after(step) ends the run
+    report gets "start" (with the optimizer state restored: momentum buffers per parameter tensor), "order"
+    (this rank's sample indices in each of the first ORDER_EPOCHS epochs), "log" (all-reduced loss, the rates
+    the optimizer used, throughput), "evaluation" (held-out accuracy and the training seconds so far),
+    "snapshot" and "final" (this rank's digests of parameters and of buffers). stop_after(step) ends the run
     early right after that step's snapshot (a planted crash does this). Returns the final values.
     """
     schedule = settings.schedule
@@ -152,7 +159,9 @@ def train_run(ctx, settings: RunSettings, train_set: Dataset, held_out: Dataset,
     with tf32(True):  # TF32 on Ampere+ GPUs for what autocast leaves in float32; nothing changes elsewhere
         model, ddp, runner, optimizer, scaler, start, reason = build(ctx, settings, probe, snapshot)
         report("start", {"resumed_from": start, "compile_reason": reason, "per_rank_batch": batch,
-                         "steps_per_epoch": len(train_set) // schedule.global_batch})
+                         "steps_per_epoch": len(train_set) // schedule.global_batch, "held_out": len(held_out),
+                         "parameter_tensors": len(list(model.parameters())),
+                         "momentum_buffers": sum("momentum_buffer" in state for state in optimizer.state.values())})
         return _steps(ctx, settings, model, runner, optimizer, scaler, start, batch, train_set, held_out,
                       snapshot, report, stop_after)
 
@@ -161,11 +170,15 @@ def _steps(ctx, settings, model, runner, optimizer, scaler, start, batch, train_
            report, stop_after) -> dict:
     """train_run's loop: timed segments of eval_every steps, each followed by logging, evaluation, snapshot."""
     memory_format = torch.channels_last if settings.channels_last else torch.contiguous_format
-    batches = batches_from(train_set, batch, ctx, settings, start)
+    def record_order(epoch: int, order: list[int]) -> None:
+        if epoch < ORDER_EPOCHS:
+            report("order", {"epoch": epoch, "indices": order})
+
+    batches = batches_from(train_set, batch, ctx, settings, start, record_order)
     total, step_index, train_seconds = settings.schedule.total_steps, start, 0.0
     while step_index < total:
         segment_end = min(total, (step_index // settings.eval_every + 1) * settings.eval_every)
-        losses = []
+        losses, rates = [], []
         with timed(ctx.device) as clock:
             while step_index < segment_end:
                 epoch, images, labels = next(batches)
@@ -175,10 +188,11 @@ def _steps(ctx, settings, model, runner, optimizer, scaler, start, batch, train_
                     group["lr"] = learning_rate(step_index, settings.schedule)
                 losses.append(step(runner, optimizer, images, labels, settings.precision, scaler,
                                    settings.max_norm))
+                rates.append(optimizer.param_groups[0]["lr"])  # the rate this step used, read back
                 step_index += 1
         train_seconds += clock["s"]
         images_per_s = len(losses) * settings.schedule.global_batch / clock["s"]
-        report("log", {"step": step_index, "epoch": epoch, "lr": optimizer.param_groups[0]["lr"],
+        report("log", {"step": step_index, "epoch": epoch, "lr": rates[-1], "max_lr": max(rates),
                        "loss": all_reduced_mean(losses), "images_per_s": images_per_s})
         scores = evaluate(model, held_out, ctx, settings.precision)
         report("evaluation", {"step": step_index, "train_seconds": train_seconds, **scores})
@@ -189,6 +203,7 @@ def _steps(ctx, settings, model, runner, optimizer, scaler, start, batch, train_
             report("snapshot", {"step": step_index, "bytes": written})
         if stop_after(step_index):
             break
-    final = {"step": step_index, "digest": state_digest(model), "train_seconds": train_seconds}
+    final = {"step": step_index, "digest": state_digest(model), "parameters_digest": state_digest(model, "parameters"),
+             "buffers_digest": state_digest(model, "buffers"), "train_seconds": train_seconds}
     report("final", final)
     return final

@@ -36,6 +36,13 @@ def test_schedule_without_warmup_starts_at_the_peak():
     assert capstone.learning_rate(0, schedule(warmup_steps=0)) == pytest.approx(0.4)
 
 
+def test_a_batch_below_base_batch_never_runs_above_its_peak():
+    plan = schedule(global_batch=64)  # peak 0.1 x 64 / 256 = 0.025, below base_lr
+    rates = [capstone.learning_rate(step, plan) for step in range(plan.total_steps)]
+    assert plan.peak_lr == pytest.approx(0.025) and max(rates) == pytest.approx(0.025)
+    assert rates[:6] == pytest.approx([0.025] * 6), "nothing to warm up to: the ramp stays at the peak"
+
+
 def fake_cifar(root, per_batch=4):
     """Write the torchvision on-disk layout: pickled dicts with uint8 rows of 3072 values, labels, names."""
     folder = root / "cifar-10-batches-py"
@@ -100,6 +107,15 @@ def test_snapshot_round_trip_restores_momentum(tmp_path):
     momentum = optimizer.state[model.weight]["momentum_buffer"]
     assert torch.equal(other_optimizer.state[other.weight]["momentum_buffer"], momentum)
     assert not list(tmp_path.glob("*.partial"))
+
+
+def test_digests_of_parameters_and_of_buffers_tell_them_apart():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    before = {part: capstone.state_digest(model, part) for part in ("all", "parameters", "buffers")}
+    model(torch.randn(8, 4))  # a training forward moves BatchNorm's running statistics only
+    after = {part: capstone.state_digest(model, part) for part in ("all", "parameters", "buffers")}
+    assert after["parameters"] == before["parameters"]
+    assert after["buffers"] != before["buffers"] and after["all"] != before["all"]
 
 
 def test_a_write_that_fails_leaves_the_previous_snapshot(tmp_path, monkeypatch):

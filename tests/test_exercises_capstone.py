@@ -28,6 +28,13 @@ def warmup_one_step_long(step, base_lr, base_batch, global_batch, warmup, total,
     return solution(step, base_lr, base_batch, global_batch, warmup + 1 if warmup else 0, total, end)
 
 
+def warmup_from_base_lr_above_the_peak(step, base_lr, base_batch, global_batch, warmup, total, end):
+    if step < warmup:
+        peak = base_lr * global_batch / base_batch
+        return base_lr + (peak - base_lr) * step / warmup
+    return solution(step, base_lr, base_batch, global_batch, warmup, total, end)
+
+
 def ends_at_zero(step, base_lr, base_batch, global_batch, warmup, total, end):
     return solution(step, base_lr, base_batch, global_batch, warmup, total, 0.0)
 
@@ -43,6 +50,7 @@ def linear_decay(step, base_lr, base_batch, global_batch, warmup, total, end):
     (unscaled_peak, "linear scaling rule"),
     (warmup_from_zero, "starts from base_lr"),
     (warmup_one_step_long, "warm-up length"),
+    (warmup_from_base_lr_above_the_peak, "when that is lower"),
     (ends_at_zero, "end value"),
     (linear_decay, "shape of the cosine"),
 ])
@@ -53,5 +61,7 @@ def test_mistakes_are_named(wrong, named):
 
 def test_solution_matches_the_course_schedule():
     from labsrc.capstone import Schedule, learning_rate
-    plan = Schedule(0.1, 128, 512, 4, 12, 0.002)
-    assert all(math.isclose(solution(s, 0.1, 128, 512, 4, 12, 0.002), learning_rate(s, plan)) for s in range(12))
+    for base_batch in (128, 2048):  # the peak above, then below, base_lr
+        plan = Schedule(0.1, base_batch, 512, 4, 12, 0.002)
+        assert all(math.isclose(solution(s, 0.1, base_batch, 512, 4, 12, 0.002), learning_rate(s, plan))
+                   for s in range(12))

@@ -7,7 +7,8 @@ from typing import Callable
 from labsrc.capstone import Schedule, learning_rate
 from labsrc.core.exercises import ExerciseFailed, passed
 
-CASES = (Schedule(0.1, 256, 1024, 5, 30, 0.0), Schedule(0.05, 64, 128, 3, 20, 0.001), Schedule(0.2, 512, 512, 0, 10, 0.0))
+CASES = (Schedule(0.1, 256, 1024, 5, 30, 0.0), Schedule(0.05, 64, 128, 3, 20, 0.001), Schedule(0.2, 512, 512, 0, 10, 0.0),
+         Schedule(0.4, 256, 64, 4, 16, 0.0))  # the last: a global batch below base_batch, the peak below base_lr
 
 
 def _verdict(rates: list[float], schedule: Schedule) -> str | None:
@@ -16,13 +17,15 @@ def _verdict(rates: list[float], schedule: Schedule) -> str | None:
     if all(math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-12) for a, b in zip(rates, expected)):
         return None
     peak, warmup = schedule.peak_lr, schedule.warmup_steps
+    first = min(schedule.base_lr, peak)
+    if warmup and not math.isclose(rates[0], first, rel_tol=1e-6):
+        return (f"step 0 has {rates[0]:.4g}: the warm-up starts from base_lr = {schedule.base_lr:.4g} (Goyal et al.), "
+                f"or from the peak {peak:.4g} when that is lower (a global batch below base_batch), so {first:.4g}.")
     if not math.isclose(max(rates), peak, rel_tol=1e-6):
         return (f"the peak is {max(rates):.4g}, expected {peak:.4g} = base_lr x global_batch / base_batch "
                 f"(the linear scaling rule).")
-    if warmup and not math.isclose(rates[0], schedule.base_lr, rel_tol=1e-6):
-        return f"step 0 has {rates[0]:.4g}: the warm-up starts from base_lr = {schedule.base_lr:.4g} (Goyal et al.)."
     reached = next(step for step, rate in enumerate(rates) if math.isclose(rate, peak, rel_tol=1e-6))
-    if reached != warmup:
+    if first < peak and reached != warmup:
         return f"the peak is reached at step {reached}: the warm-up length must be {warmup} steps (the peak at step {warmup})."
     if not math.isclose(rates[-1], schedule.end_lr, rel_tol=1e-6, abs_tol=1e-12):
         return f"the end value at the last step ({schedule.total_steps - 1}) is {rates[-1]:.4g}, expected end_lr = {schedule.end_lr:.4g}."

@@ -103,19 +103,36 @@ class Start(Record):
     per_rank_batch: int
     steps: int
     steps_per_epoch: int
+    base_lr: float
+    base_batch: int
     peak_lr: float
     warmup_steps: int
     resumed_from: int
+    held_out: int
+    """Samples in the held-out split (every evaluation must count them all)."""
+    parameter_tensors: int
+    momentum_buffers: int
+    """Parameter tensors with an SGD momentum buffer once built: all of them after a resume, none at step 0."""
+
+
+@dataclass
+class SampleOrder(Record):
+    """The dataset indices this rank's sampler handed out in one epoch, in order (every rank, first epochs)."""
+
+    KIND: ClassVar[str] = "capstone_sample_order"
+    epoch: int
+    indices: list[int]
 
 
 @dataclass
 class TrainLog(Record):
-    """The training loss averaged over the last segment's steps and all ranks (rank 0)."""
+    """The training loss averaged over the last segment's steps and all ranks, the rates the optimizer used (rank 0)."""
 
     KIND: ClassVar[str] = "capstone_log"
     step: int
     epoch: int
     lr: float
+    max_lr: float
     loss: float
     images_per_s: float
 
@@ -143,11 +160,13 @@ class Snapshot(Record):
 
 @dataclass
 class Final(Record):
-    """This rank's model at the end: a SHA-256 of its parameters and buffers (every rank writes one)."""
+    """This rank's model at the end: SHA-256 digests of all its state, of its parameters, of its buffers (every rank)."""
 
     KIND: ClassVar[str] = "capstone_final"
     step: int
     digest: str
+    parameters_digest: str
+    buffers_digest: str
     train_seconds: float
 
 
@@ -163,7 +182,7 @@ def resolve(options: Options, ctx, profile, train_size: int) -> RunSettings:
     steps_per_epoch = max(1, train_size // global_batch)
     warmup = options.warmup_steps if options.warmup_steps >= 0 else min(steps_per_epoch, steps // 4)
     eval_every = options.eval_every or steps_per_epoch
-    precision = options.precision or (gpu_precision() if cuda else "fp32")  # fp32: measured faster on CPUs
+    precision = options.precision or (gpu_precision() if cuda else "fp32")  # CPUs: notebook 13 times both
     return RunSettings(
         model=options.model or profile.model, precision=precision,
         channels_last=cuda if options.channels_last is None else options.channels_last,
@@ -191,10 +210,13 @@ def body(ctx, records, options: Options) -> dict:
     def report(kind: str, values: dict) -> None:
         if kind == "final":
             records.write(Final(**values))
+        elif kind == "order":
+            records.write(SampleOrder(**values))
         elif ctx.is_main and kind == "start":
             records.write(Start(source=source, model=settings.model, precision=settings.precision,
                                 channels_last=settings.channels_last, global_batch=settings.schedule.global_batch,
-                                steps=settings.schedule.total_steps, peak_lr=settings.schedule.peak_lr,
+                                steps=settings.schedule.total_steps, base_lr=settings.schedule.base_lr,
+                                base_batch=settings.schedule.base_batch, peak_lr=settings.schedule.peak_lr,
                                 warmup_steps=settings.schedule.warmup_steps, **values))
             print(f"{source}, {settings.model}, {settings.precision}, global batch {settings.schedule.global_batch}, "
                   f"peak lr {settings.schedule.peak_lr:.4g}, from step {values['resumed_from']}")
