@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
+from labsrc.elastic_fault_tolerance_snapshot import load_checked, save_atomic
 from labsrc.training import data
 from labsrc.training.loop import step
 from labsrc.training.models import build_model
@@ -121,22 +121,21 @@ def with_shuffled_labels(dataset: TensorDataset, seed: int) -> TensorDataset:
 # -- snapshots ------------------------------------------------------------------------------------------------
 
 def save_snapshot(path: Path | str, step_index: int, model, optimizer, scaler) -> int:
-    """Write everything a resumed run needs, atomically (a temporary file, then os.replace); returns bytes.
+    """Write everything a resumed run needs as lesson 10's snapshot file (atomic, checksummed); returns bytes.
 
     Call on rank 0 only; a crash mid-write leaves the previous snapshot intact.
     """
-    path = Path(path)
-    temporary = path.with_name(path.name + ".partial")
     state = {"step": step_index, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
              "scaler": scaler.state_dict()}
-    torch.save(state, temporary)
-    os.replace(temporary, path)
-    return path.stat().st_size
+    return save_atomic(state, path).stat().st_size
 
 
 def load_snapshot(path: Path | str, model, optimizer, scaler, device: torch.device) -> int:
-    """Restore model, optimizer (momentum included) and loss scaler from path; returns the step to go on from."""
-    state = torch.load(path, map_location=device, weights_only=True)
+    """Restore model, optimizer (momentum included) and loss scaler from path; returns the step to go on from.
+
+    A torn or changed file raises SnapshotCorrupt instead of loading.
+    """
+    state = load_checked(path)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     scaler.load_state_dict(state["scaler"])

@@ -7,10 +7,14 @@ import numpy as np
 import pytest
 import torch
 
+from labsrc import elastic_fault_tolerance_snapshot as snapshot_file
+from labsrc.elastic_fault_tolerance_snapshot import load_checked, save_atomic
+
 from labsrc import capstone
 from labsrc.capstone_training import RunSettings, train_run
 from labsrc.core.forked import run_ranks
 from labsrc.core.world import RankContext, RequestError
+from labsrc.elastic_fault_tolerance_snapshot import load_checked, save_atomic
 from labsrc.labs import capstone as lab
 
 
@@ -106,7 +110,7 @@ def test_snapshot_round_trip_restores_momentum(tmp_path):
     assert capstone.state_digest(other) == capstone.state_digest(model)
     momentum = optimizer.state[model.weight]["momentum_buffer"]
     assert torch.equal(other_optimizer.state[other.weight]["momentum_buffer"], momentum)
-    assert not list(tmp_path.glob("*.partial"))
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_digests_of_parameters_and_of_buffers_tell_them_apart():
@@ -124,10 +128,10 @@ def test_a_write_that_fails_leaves_the_previous_snapshot(tmp_path, monkeypatch):
     capstone.save_snapshot(path, 1, model, optimizer, scaler)
     before = path.read_bytes()
 
-    def dies_half_way(state, target):
-        open(target, "wb").write(b"half a file")
+    def dies_half_way(target, data):
+        target.write_bytes(data[: len(data) // 2])
         raise OSError("disk full")
-    monkeypatch.setattr(torch, "save", dies_half_way)
+    monkeypatch.setattr(snapshot_file, "write_bytes_durably", dies_half_way)
     with pytest.raises(OSError):
         capstone.save_snapshot(path, 2, model, optimizer, scaler)
     assert path.read_bytes() == before
@@ -149,9 +153,9 @@ def train_on_rank(ctx, folder, stop_at, forget_momentum):
     snapshot = folder / "snapshot.pt"
     train_run(ctx, settings(), train_set, held_out, snapshot, report, stop_after=lambda step: step >= stop_at)
     if forget_momentum and ctx.is_main:
-        state = torch.load(snapshot, weights_only=True)
+        state = load_checked(snapshot)
         state["optimizer"]["state"] = {}
-        torch.save(state, snapshot)
+        save_atomic(state, snapshot)
     torch.distributed.barrier()
     resumed = train_run(ctx, settings(), train_set, held_out, snapshot, report)
     starts = [values["resumed_from"] for kind, values in events if kind == "start"]
