@@ -20,9 +20,23 @@ def test_monitored_barrier_names_the_missing_rank():
     assert not rank0.ok and rank1.ok and "Ranks 1 failed to pass monitoredBarrier" in rank0.message
 
 
+def in_fresh_interpreter(code: str):
+    """Run code in a new Python and return what it prints as JSON: the flight recorder's buffer and OpenMP's
+    thread pool are set once per process, so a test after others in this pytest process would inherit them."""
+    import json
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_flight_recorder_finds_the_skipped_collective():
-    outcomes = clinic.run_case(clinic.skipped_collective, "broken", timeout_s=2.0, flight_recorder=True)
-    divergence = clinic.first_divergence([o.detail["flight_record"] for o in outcomes])
+    divergence = in_fresh_interpreter(
+        "import json\n"
+        "from labsrc import debugging_clinic as clinic\n"
+        "outcomes = clinic.run_case(clinic.skipped_collective, 'broken', timeout_s=2.0, flight_recorder=True)\n"
+        "print(json.dumps(clinic.first_divergence([o.detail['flight_record'] for o in outcomes])))\n")
     assert divergence["entered"] == [0] and divergence["missing"] == [1] and divergence["sizes"] == [[4]]
 
 
@@ -71,11 +85,14 @@ def test_lab_options_refuse_an_unknown_case():
 
 def test_matmul_arms_run_with_the_threads_they_ask_for_and_restore_the_count():
     import torch
-    from labsrc.core.forked import run_ranks
+    measured = in_fresh_interpreter(
+        "import json\n"
+        "from labsrc import debugging_clinic_training as training\n"
+        "from labsrc.core.forked import run_ranks\n"
+        "print(json.dumps({t: [r['threads'] for r in run_ranks(training.matmul_seconds, 2, args=(t, 64, 2),\n"
+        "                                                          timeout_s=60)] for t in (1, 2)}))\n")
+    assert measured == {"1": [1, 1], "2": [2, 2]}
     before = torch.get_num_threads()
-    for threads in (1, 2):
-        reports = run_ranks(training.matmul_seconds, 2, args=(threads, 64, 2), timeout_s=60)
-        assert [report["threads"] for report in reports] == [threads, threads]
     assert training.matmul_seconds(None, 1, 32, 1)["threads"] == 1 and torch.get_num_threads() == before
 
 
