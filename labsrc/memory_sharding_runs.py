@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from labsrc.memory_sharding import FP32, MIXED, deep_mlp, held_bytes, optimizer_state_bytes
@@ -131,10 +130,3 @@ def fully_sharded_run(ctx, depth: int, width: int, batches, lr: float, traffic: 
 def largest_gap(parameters: dict, reference: dict) -> float:
     """Largest |parameter - reference| over every parameter (names as in deep_mlp)."""
     return max(float((parameters[name].detach().float() - value).abs().max()) for name, value in reference.items())
-
-
-def spread_across_ranks(value: float) -> float:
-    """Largest minus smallest of a number over ranks (0 when every rank holds the same)."""
-    tensor = torch.tensor([value, -value], dtype=torch.float64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return float(tensor[0] + tensor[1])
