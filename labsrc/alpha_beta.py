@@ -1,4 +1,12 @@
-"""The latency-bandwidth (alpha-beta) model of a collective: time = alpha + bytes * beta, fitted and used.
+"""The latency-bandwidth (alpha-beta) model: time = alpha + bytes * beta, fitted and used.
+
+Two kinds of AlphaBeta, never mixed up:
+- a whole-collective fit (`fit`): time of one dist.all_reduce of S bytes on the n ranks it was measured
+  on, T(S) = a + S b. Valid as is, at that n only.
+- a per-message link (`ring_link`, or a datasheet's figures): alpha and beta of one message between two
+  neighbours; the ring formula turns it into a collective's time at any n.
+The ring all-reduce sends 2(n-1) messages of S/n bytes one after the other, so T(S) = 2(n-1) alpha +
+2(n-1)/n S beta; `ring_link` inverts exactly that, and the two agree at the n that was measured.
 
 algbw and busbw follow nccl-tests (doc/PERFORMANCE.md there): algbw = bytes / time; busbw = algbw times
 a factor that makes it comparable to the link's bandwidth: 2(n-1)/n for all_reduce, (n-1)/n for
@@ -21,7 +29,11 @@ BUS_FACTORS = {
 
 @dataclass(frozen=True)
 class AlphaBeta:
-    """time_s(bytes) = alpha_s + bytes * beta_s_per_byte, with the fit's R^2 on the points it came from."""
+    """time_s(bytes) = alpha_s + bytes * beta_s_per_byte, with the fit's R^2 on the points it came from.
+
+    A fit keeps what least squares found, negative values included: a negative beta means the timings
+    did not grow with the bytes, and hiding that behind a clamp would make "beta > 0" a check that cannot fail.
+    """
 
     alpha_s: float
     beta_s_per_byte: float
@@ -49,8 +61,10 @@ def fit(nbytes: Sequence[float], seconds: Sequence[float]) -> AlphaBeta:
     weights = 1.0 / y
     design = np.stack([np.ones_like(x), x], axis=1) * weights[:, None]
     (alpha, beta), *_ = np.linalg.lstsq(design, y * weights, rcond=None)
-    alpha, beta = max(float(alpha), 0.0), max(float(beta), 1e-18)
+    alpha, beta = float(alpha), float(beta)
     predicted = alpha + beta * x
+    if (predicted <= 0).any():
+        return AlphaBeta(alpha, beta, float("-inf"))  # predicts a non-positive time: explains nothing
     log_y, log_p = np.log(y), np.log(predicted)
     total = float(((log_y - log_y.mean()) ** 2).sum())
     r2 = 1.0 - float(((log_y - log_p) ** 2).sum()) / total if total > 0 else 1.0
@@ -67,8 +81,19 @@ def busbw(collective: str, nbytes: float, seconds: float, world_size: int) -> fl
     return algbw(nbytes, seconds) * BUS_FACTORS[collective](world_size)
 
 
+def ring_link(collective: AlphaBeta, world_size: int) -> AlphaBeta:
+    """The per-message link behind a whole all-reduce fit measured on world_size ranks, assuming a ring.
+
+    T(S) = a + S b = 2(n-1) alpha + 2(n-1)/n S beta  gives  alpha = a / (2(n-1)), beta = b n / (2(n-1)).
+    """
+    if world_size < 2:
+        raise ValueError("an all-reduce on one rank sends no message: fit it on two or more ranks")
+    steps = 2 * (world_size - 1)
+    return AlphaBeta(collective.alpha_s / steps, collective.beta_s_per_byte * world_size / steps, collective.r2)
+
+
 def ring_allreduce_time_s(nbytes: float, world_size: int, link: AlphaBeta) -> float:
-    """Ring all-reduce over links described by `link`: 2(n-1) steps, each one message of nbytes/n."""
+    """Ring all-reduce over per-message links `link`: 2(n-1) steps, each one message of nbytes/n."""
     if world_size <= 1:
         return 0.0
     steps = 2 * (world_size - 1)

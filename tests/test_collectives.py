@@ -1,4 +1,5 @@
 """Ring and naive all-reduce equal dist.all_reduce on 2-4 ranks; the ring sends 2(n-1)/n of the data; a broken ring fails."""
+import math
 import time
 
 import pytest
@@ -117,7 +118,7 @@ def test_lab_records_every_measurement_and_summarises_the_fits(tmp_path):
     assert set(summary["fits"]) == set(summary["fits_median"]) == set(collectives.ALGORITHMS)
     for fit in [*summary["fits"].values(), *summary["fits_median"].values()]:
         assert set(fit) == {"alpha_s", "beta_s_per_byte", "r2"}
-        assert fit["beta_s_per_byte"] > 0
+        assert all(math.isfinite(fit[key]) for key in ("alpha_s", "beta_s_per_byte"))  # sign: timing, not behaviour
     records = runs.read_records(tmp_path)
     assert summary["sizes"] == [64, 4096, 65536] and summary["repeats"] == 3
     timings = [r for r in records[0] if r["kind"] == collectives_lab.Timing.KIND]
@@ -167,3 +168,17 @@ def test_fit_sweep_recovers_alpha_and_beta_of_each_algorithm():
     assert fits["slow"].alpha_s == pytest.approx(1e-4) and fits["slow"].beta_s_per_byte == pytest.approx(1e-9)
     assert fits["fast"].alpha_s == pytest.approx(1e-5) and fits["fast"].r2 == pytest.approx(1.0)
     assert alpha_beta.fit_sweep(timings, max)["slow"].alpha_s == pytest.approx(2e-4)
+
+
+def test_ring_link_inverts_the_ring_formula_at_the_measured_world_size():
+    whole = alpha_beta.AlphaBeta(alpha_s=3e-4, beta_s_per_byte=2e-9, r2=1.0)
+    for n in (2, 3, 8):
+        link = alpha_beta.ring_link(whole, n)
+        for nbytes in (4.0, 4e6):
+            assert alpha_beta.ring_allreduce_time_s(nbytes, n, link) == pytest.approx(whole.time_s(nbytes))
+    assert alpha_beta.ring_link(whole, 2).alpha_s == pytest.approx(1.5e-4)  # 2(n-1) = 2 messages at n=2
+
+
+def test_fit_keeps_a_negative_slope_instead_of_clamping_it():
+    shrinking = alpha_beta.fit([1e3, 1e6, 1e7], [3e-3, 2e-3, 1e-3])
+    assert shrinking.beta_s_per_byte < 0
