@@ -95,3 +95,45 @@ def test_the_doctor_knows_every_notebook():
     from pathlib import Path
     notebooks = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
     assert sorted(doctor.LESSONS) == notebooks
+
+
+# Each lesson's least ranks: a server needs 2+ workers beside it (11); every other lesson at least 2 ranks
+# (10b's two simulated nodes of one rank each make 2 too). 09 and 11 keep gloo ranks on the CPU (doctor.CPU_ONLY).
+MIN_RANKS = {lesson: 2 for lesson in doctor.LESSONS} | {"11_async_parameter_server": 3}
+MACHINES = [(gpus, 16) for gpus in (1, 2, 3, 5, 6, 7, 8)] + [(0, 2), (0, 16)]
+
+
+def test_every_lesson_has_a_rank_count():
+    assert set(MIN_RANKS) == set(doctor.LESSONS)
+
+
+@pytest.mark.parametrize("gpus, cpus", MACHINES)
+@pytest.mark.parametrize("lesson", doctor.LESSONS)
+def test_every_gpu_count_plans_every_lesson(lesson, gpus, cpus):
+    """Ranks, backend and batch split of each lesson's plan are valid, and the launcher accepts them."""
+    from labsrc.core.world import validate_request
+    hardware = simulated(gpus=gpus, cpus=cpus)
+    profile = GPU if gpus else profiles.pick_profile({}, hardware=hardware)[0]
+    plan = make_plan(hardware, profile, min_ranks=MIN_RANKS[lesson])
+    assert plan.world_size >= MIN_RANKS[lesson], f"{lesson} on {gpus} GPU(s): {plan.reason}"
+    if plan.backend == "nccl":
+        assert plan.device == "cuda" and plan.world_size <= gpus, f"NCCL needs one GPU per rank: {plan.reason}"
+    else:
+        assert plan.device == ("cuda" if gpus else "cpu"), plan.reason
+    if gpus == 1:
+        assert (plan.world_size, plan.backend) == (MIN_RANKS[lesson], "gloo") and plan.ranks_share_gpus, plan.reason
+    if gpus >= MIN_RANKS[lesson]:
+        assert (plan.world_size, plan.backend) == (gpus, "nccl"), f"one rank per GPU expected: {plan.reason}"
+    assert plan.global_batch > 0 and plan.global_batch % plan.world_size == 0, plan.reason
+    backend = "gloo" if lesson in doctor.CPU_ONLY else plan.backend
+    assert validate_request(plan.world_size, backend, gpus=gpus, cpu_count=cpus)[0] == backend
+
+
+def test_no_notebook_sizes_its_world_from_the_profile_alone():
+    """Profile.resolved_world_size gives 1 rank on one GPU: a multi-rank notebook takes its ranks from make_plan."""
+    import json
+    from pathlib import Path
+    for path in sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb")):
+        code = "".join("".join(cell["source"]) for cell in json.loads(path.read_text())["cells"]
+                       if cell["cell_type"] == "code")
+        assert "resolved_world_size(" not in code, f"{path.name} sizes its world without make_plan"
