@@ -1,6 +1,7 @@
 """The sync experiment: what DataParallel and DDP do to a batch, its gradients, parameters and buffers."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
@@ -12,7 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from labsrc.training.loop import step
+from labsrc.training.loop import step, tf32
 from labsrc.training.models import TinyCNN
 
 
@@ -38,10 +39,11 @@ def full_batch_gradients(model: nn.Module, images: torch.Tensor, labels: torch.T
 
 
 def average_gradients(model: nn.Module, world_size: int) -> None:
-    """What DDP does after backward, written out: sum every gradient over ranks, divide by world size.
+    """DDP's gradient average written out: every gradient summed over ranks, divided by world size.
 
     Each rank's loss is the mean over its own G/n samples; the mean over all G samples is the mean of
-    the n rank means, so the gradient of the global loss is the average of the rank gradients.
+    the n rank means, so the gradient of the global loss is the average of the rank gradients. (DDP
+    itself divides first, as it copies each gradient into its bucket, then all-reduces with SUM.)
     """
     for parameter in model.parameters():
         if parameter.grad is not None:
@@ -121,10 +123,11 @@ class SumOverRanks(torch.autograd.Function):
 
 
 def global_batch_statistics(features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-channel mean and (biased) variance over the whole global batch, as SyncBatchNorm computes them.
+    """Per-channel mean and (biased) variance over the whole global batch: SyncBatchNorm's statistics.
 
     features: (N_rank, C, H, W) on each rank -> mean (C,), variance (C,), count (): the same on every
-    rank. Two all-reduces: the sum gives the mean, then the sum of squared deviations from it.
+    rank, here from all-reduces of sums (count, sum, sum of squared deviations). torch's SyncBatchNorm
+    reaches the same numbers by all-gathering every rank's (mean, invstd, count) instead.
     """
     dims = [0, 2, 3]
     count = torch.tensor(float(features.numel() // features.shape[1]), device=features.device)
@@ -136,9 +139,9 @@ def global_batch_statistics(features: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 class GlobalBatchNorm2d(nn.BatchNorm2d):
-    """BatchNorm2d normalising with the statistics of the global batch: SyncBatchNorm on any backend.
+    """BatchNorm2d normalising with the statistics of the global batch, like SyncBatchNorm, on any device.
 
-    (N_rank, C, H, W) -> (N_rank, C, H, W). torch's nn.SyncBatchNorm does this on GPUs only; this one
+    (N_rank, C, H, W) -> (N_rank, C, H, W). torch's nn.SyncBatchNorm takes GPU tensors only; this one
     also runs on gloo CPU ranks. Its backward all-reduces too (SumOverRanks), so after DDP's average
     the gradient is the full-batch BatchNorm gradient. Outside a process group, or in eval mode, it is
     plain BatchNorm2d.
@@ -187,29 +190,36 @@ def synchronize_all(gpus: int) -> None:
 
 def dataparallel_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, repeats: int = 3,
                       lr: float = 0.05) -> dict:
-    """Training steps through nn.DataParallel: what each call of the module saw, and the step time.
+    """Training steps through nn.DataParallel: what each call of the module saw, its gradient, the step time.
 
     images: (N, 3, H, W), labels: (N,). With 2+ GPUs the batch is scattered in chunks along dim 0 to
     device_ids, the module replicated onto each GPU, and the outputs gathered on the first; the step
     (forward, backward, SGD update) is timed, the fastest of `repeats` steps after a warm-up. With fewer
-    GPUs DataParallel calls the module as it is, once, with the whole batch. Calls are listed in device order.
+    GPUs DataParallel calls the module as it is, once, with the whole batch. Calls are listed in device
+    order. The warm-up step runs in float32 (TF32 off) and its gradient is compared with one process's
+    full-batch gradient: gradient_vs_full_batch.
     """
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     device = torch.device("cuda", 0) if gpus else torch.device("cpu")
     model = model.to(device)
+    images, labels = images.to(device), labels.to(device)
+    with tf32(False):
+        reference = full_batch_gradients(model, images, labels)
     calls: list[dict] = []  # one entry per replica call; replicas share the module's hooks
     hook = model.register_forward_pre_hook(
         lambda module, args: calls.append({"shape": list(args[0].shape), "device": str(args[0].device)}))
     parallel = nn.DataParallel(model, device_ids=list(range(gpus)) or None)
     optimizer = torch.optim.SGD(parallel.parameters(), lr=lr)
-    images, labels = images.to(device), labels.to(device)
-    seconds, first_step_calls = [], []
-    for _ in range(1 + repeats if gpus >= 2 else 1):
+    seconds, first_step_calls, gap = [], [], None
+    for index in range(1 + repeats if gpus >= 2 else 1):
         synchronize_all(gpus)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        outputs = parallel(images)
-        F.cross_entropy(outputs, labels).backward()
+        with tf32(False) if index == 0 else contextlib.nullcontext():
+            outputs = parallel(images)
+            F.cross_entropy(outputs, labels).backward()
+        if index == 0:
+            gap = largest_gap(gradients(model), reference)
         optimizer.step()
         synchronize_all(gpus)
         seconds.append(time.perf_counter() - start)
@@ -217,7 +227,9 @@ def dataparallel_step(model: nn.Module, images: torch.Tensor, labels: torch.Tens
     hook.remove()
     return {"gpus": gpus, "device_ids": list(parallel.device_ids), "calls": first_step_calls,
             "chunks": [call["shape"][0] for call in first_step_calls], "output_device": str(outputs.device),
-            "replicated": len(first_step_calls) > 1, "step_s": min(seconds[1:]) if gpus >= 2 else None}
+            "replicated": len(first_step_calls) > 1, "step_s": min(seconds[1:]) if gpus >= 2 else None,
+            "gradient_vs_full_batch": gap,
+            "largest_gradient": max(g.abs().max().item() for g in reference.values())}
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,46 @@ def test_dataparallel_shows_what_the_module_saw():
         assert not report["replicated"] and report["step_s"] is None
     else:
         assert len(report["calls"]) == report["gpus"] and report["step_s"] > 0
+    assert report["gradient_vs_full_batch"] <= 1e-6 + 1e-4 * report["largest_gradient"]
+
+
+def test_dataparallel_arithmetic_sums_replica_gradients_without_dividing():
+    from labsrc.dp_vs_ddp_loss import replica_gradients_summed
+    images, labels = _batch(12)
+    torch.manual_seed(3)
+    model = TinyCNN(batch_norm=False)
+    reference = dp_vs_ddp.full_batch_gradients(model, images, labels)
+    summed = replica_gradients_summed(model, images, labels, replicas=3)
+    assert dp_vs_ddp.largest_gap(summed, reference) <= 1e-6
+    divided = {name: g / 3 for name, g in summed.items()}  # what dividing by the replica count would give
+    assert dp_vs_ddp.largest_gap(divided, reference) > 1e-3
+
+
+def _denominators_and_noise(ctx):
+    from labsrc.dp_vs_ddp_loss import denominator_gaps, noise_steps
+    noise = noise_steps(ctx, seed=0, steps=3, per_rank_batch=4, image_size=8, lr=0.1)
+    return denominator_gaps(ctx, seed=0), list(noise)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_unequal_token_counts_break_the_mean_of_means_and_count_weighting_repairs_it(world_size):
+    results = run_ranks(_denominators_and_noise, world_size)
+    gaps = results[0][0]
+    tolerance = 1e-6 + 1e-4 * gaps.largest_gradient
+    assert gaps.count_weighted <= tolerance and gaps.equal_counts <= tolerance
+    assert gaps.mean_of_means > 100 * tolerance
+    losses = [[loss for _, loss, _ in steps] for _, steps in results]
+    for step in range(3):  # noise data: every rank its own loss, the same parameters
+        assert len({rank_losses[step] for rank_losses in losses}) == world_size
+    assert all(spread == 0.0 for _, steps in results for _, _, spread in steps)
+
+
+def test_losses_differ_every_step_names_the_steps_where_two_ranks_agree():
+    from labsrc.dp_vs_ddp_loss import losses_differ_every_step
+    from labsrc.labs.dp_vs_ddp import NoiseStep
+    records = [NoiseStep(0, 1.0, 0.0, rank=0), NoiseStep(0, 2.0, 0.0, rank=1),
+               NoiseStep(1, 1.5, 0.0, rank=0), NoiseStep(1, 1.5, 0.0, rank=1)]
+    assert losses_differ_every_step(records) == [1]
 
 
 def test_options_refuse_a_negative_batch_and_a_batch_that_does_not_split_over_the_ranks():
@@ -195,7 +235,7 @@ def test_curve_gaps_compare_the_rank_mean_with_one_process_per_variant():
 @pytest.mark.slow
 def test_lab_records_every_experiment(tmp_path, monkeypatch):
     from labsrc.core import launch
-    from labsrc.labs.dp_vs_ddp import DdpStep, Gradients, SingleStep, StepTiming
+    from labsrc.labs.dp_vs_ddp import DdpStep, Denominators, Gradients, NoiseStep, SingleStep, StepTiming
     monkeypatch.setenv("LABSRC_RUNS", str(tmp_path))
     result = launch.run("dp_vs_ddp", nproc=2, timeout=180, profile="ci", global_batch=32)
     assert result.summary["global_batch"] == 32 and result.summary["per_rank_batch"] == 16
@@ -206,6 +246,9 @@ def test_lab_records_every_experiment(tmp_path, monkeypatch):
     timing = result.of(StepTiming)
     assert len(timing) == 2 * result.summary["timed_steps"] and {r.model for r in timing} == {"tiny_cnn"}
     assert all(r.backward_s > 0 and r.local_backward_s > 0 for r in timing)
+    noise = result.of(NoiseStep)
+    assert len(noise) == 2 * steps and max(r.parameter_spread for r in noise) == 0.0
+    assert {r.rank for r in result.of(Denominators)} == {0, 1}
     gaps = dp_vs_ddp.curve_gaps(result.of(DdpStep), result.of(SingleStep))
     assert gaps["plain"] < 1e-3 and gaps["batch_norm_global"] < 1e-3
     assert gaps["batch_norm_local"] > 10 * gaps["batch_norm_global"]

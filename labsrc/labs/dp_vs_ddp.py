@@ -1,4 +1,4 @@
-"""The DDP sync experiment on n ranks: broadcast, equal gradients, identical parameters, buffers, curves, step time.
+"""The DDP sync experiment on n ranks: broadcast, gradients, noise data, loss denominators, BatchNorm, curves, time.
 
     launch.run("dp_vs_ddp", nproc=2, global_batch=32)
     python -m labsrc.launch --nproc 2 dp_vs_ddp -- --global-batch 32
@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import dp_vs_ddp
+from labsrc import dp_vs_ddp, dp_vs_ddp_loss
 from labsrc.core.lab import resolve_profile, run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.plan import split_global_batch
@@ -64,6 +64,27 @@ class Gradients(Record):
     batch_norm_global_vs_full_batch: float
     batch_norm_largest_gradient: float
     shard_size: int
+
+
+@dataclass
+class NoiseStep(Record):
+    """One DDP step on pure noise, each rank its own: this rank's loss and the parameters' spread after it."""
+
+    KIND: ClassVar[str] = "noise_step"
+    step: int
+    loss: float
+    parameter_spread: float
+
+
+@dataclass
+class Denominators(Record):
+    """A masked-mean token loss under DDP, ranks holding different token counts (dp_vs_ddp_loss.DenominatorGaps)."""
+
+    KIND: ClassVar[str] = "denominators"
+    mean_of_means: float
+    count_weighted: float
+    equal_counts: float
+    largest_gradient: float
 
 
 @dataclass
@@ -163,6 +184,14 @@ def gradient_equivalence(ctx, records, images, labels, seed: int) -> None:
         batch_norm_largest_gradient=largest(bn_reference), shard_size=int(mine.shape[0])))
 
 
+def noise_experiment(ctx, records, profile, seed: int) -> None:
+    """The classic sync check: random images and labels, different on every rank; losses differ, parameters not."""
+    per_rank = profile.global_batch // ctx.world_size
+    for index, loss, spread in dp_vs_ddp_loss.noise_steps(ctx, seed, profile.steps, per_rank, profile.image_size,
+                                                          profile.lr):
+        records.write(NoiseStep(index, loss, spread))
+
+
 def buffer_experiments(ctx, records, mine, seed: int) -> None:
     """Rank-local BatchNorm buffers with and without DDP's buffer sync: mine is this rank's (N, 3, H, W)."""
     for sync in (False, True):
@@ -253,6 +282,8 @@ def experiments(ctx, records, options: Options) -> dict:
     images, labels = data.synthetic_images(profile.global_batch, profile.image_size, seed=options.seed).tensors
     construction_broadcast(ctx, records, options.seed)
     gradient_equivalence(ctx, records, images, labels, options.seed)
+    records.write(Denominators(**dataclasses.asdict(dp_vs_ddp_loss.denominator_gaps(ctx, options.seed))))
+    noise_experiment(ctx, records, profile, options.seed)
     statistics_experiment(ctx, records, images, options.seed)
     dataset = data.synthetic_images(profile.num_samples, profile.image_size, seed=options.seed)
     total = len(dp_vs_ddp.VARIANTS) + 1 + (2 if ctx.is_main else 0)

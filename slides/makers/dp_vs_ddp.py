@@ -12,10 +12,10 @@ def dataparallel_side(axes):
         replica = box(axes, x, 2.6, 2.2, 0.9, f"GPU {g}: replica\nthread {g}, chunk N/2", kind="compute", fontsize=8)
         arrow(axes, (1.3, 4.4), (replica[0], 3.5), "scatter" if g else "", offset=(0.5, -0.1))
     box(axes, 2.8, 4.4, 2.2, 0.7, "module replicated\nto every GPU, every step", kind="bad", fontsize=8)
-    gathered = box(axes, 0.2, 0.9, 2.2, 0.8, "outputs gathered\non GPU 0: loss", kind="communication", fontsize=8)
+    gathered = box(axes, 0.2, 0.9, 2.2, 0.8, "outputs gathered on\nGPU 0: ONE mean loss", kind="communication", fontsize=8)
     for g in range(2):
         arrow(axes, (1.3 + 2.6 * g, 2.6), (gathered[0], 1.7), "gather" if g else "", offset=(0.4, 0))
-    box(axes, 2.8, 0.9, 2.2, 0.8, "gradients summed into\nGPU 0's parameters", kind="communication", fontsize=8)
+    box(axes, 2.8, 0.9, 2.2, 0.8, "replica gradients summed\ninto GPU 0 (no ÷ n)", kind="communication", fontsize=8)
     arrow(axes, (2.4, 1.3), (2.8, 1.3))
 
 
@@ -27,7 +27,7 @@ def ddp_side(axes, left: float):
         box(axes, x, 2.6, 2.2, 0.9, f"rank {r}: forward, loss\nbackward", kind="compute", fontsize=8)
         arrow(axes, (x + 1.1, 4.4), (x + 1.1, 3.5))
         box(axes, x, 0.2, 2.2, 0.7, f"rank {r}: optimizer.step()", kind="compute", fontsize=8)
-    box(axes, left + 0.2, 1.3, 5.0, 0.8, "all-reduce(SUM) / n of the gradients,\nbucket by bucket, during backward",
+    box(axes, left + 0.2, 1.3, 5.0, 0.8, "each gradient ÷ n into its bucket, then\nall-reduce(SUM), bucket by bucket, in backward",
         kind="communication", fontsize=8)
     for r in range(2):
         x = left + 1.3 + 2.8 * r
