@@ -45,7 +45,7 @@ def timings_by_algorithm(result) -> dict[str, list[Timing]]:
 
 
 def sweep_with_fits(result, ax=None):
-    """Fastest repeat per size (points), every repeat (faint dots), each fitted alpha + beta * bytes (lines), log-log."""
+    """Fastest repeat per size (points), every repeat (faint dots), each whole-collective fit a + S b (lines), log-log."""
     import numpy as np
     ax = new_axes(f"All-reduce on {result.nproc} ranks ({result.summary['backend']}): measured and alpha-beta fit",
                   "message size (bytes)", "time per call (s)", ax, figsize=(7.5, 4.2))
@@ -58,7 +58,7 @@ def sweep_with_fits(result, ax=None):
         fit = AlphaBeta(**result.summary["fits"][name])
         grid = np.logspace(np.log10(min(sizes)), np.log10(max(sizes)), 50)
         ax.plot(grid, [fit.time_s(b) for b in grid], "-", color=color,
-                label=f"fit: {fit.alpha_s * 1e6:.0f} us + bytes / {fit.bandwidth_bytes_per_s / 1e9:.2f} GB/s"
+                label=f"T(S) = a + S b: a {fit.alpha_s * 1e6:.0f} us, 1/b {fit.bandwidth_bytes_per_s / 1e9:.2f} GB/s"
                       f" (R² {fit.r2:.2f})")
     ax.set_xscale("log")
     ax.set_yscale("log")
@@ -80,8 +80,8 @@ def bus_bandwidth(result, ax=None):
 
 
 def fits_table(result) -> str:
-    """One line per algorithm: alpha, 1/beta and R^2 of its fit, and R^2 of the same fit on the medians."""
-    lines = [f"{'algorithm':<16} {'alpha (us)':>10} {'1/beta (GB/s)':>14} {'R^2':>6} {'R^2 on medians':>15}"]
+    """One line per algorithm: a, 1/b and R^2 of its whole-collective fit, and R^2 of the same fit on the medians."""
+    lines = [f"{'algorithm':<16} {'a (us)':>10} {'1/b (GB/s)':>14} {'R^2':>6} {'R^2 on medians':>15}"]
     for name, fit in result.summary["fits"].items():
         lines.append(f"{name:<16} {fit['alpha_s'] * 1e6:>10.1f} {1 / fit['beta_s_per_byte'] / 1e9:>14.2f}"
                      f" {fit['r2']:>6.3f} {result.summary['fits_median'][name]['r2']:>15.3f}")
