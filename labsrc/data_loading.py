@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import statistics
 import time
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -52,51 +53,92 @@ def epoch_orders(dataset_size: int, world_size: int, epochs: int, set_epoch: boo
             for rank in range(world_size)}
 
 
-def coverage(dataset_size: int, world_size: int, drop_last: bool) -> dict:
-    """What one epoch reads over all ranks: samples read, distinct ones, duplicates (padding), dropped."""
-    read = [i for orders in epoch_orders(dataset_size, world_size, 1, drop_last=drop_last).values()
-            for i in orders[0]]
+def count_reads(shards: list[list[int]], dataset_size: int) -> dict:
+    """What one epoch's shards (one list of indices per rank) read: samples read, distinct, duplicates, dropped.
+
+    duplicates = reads beyond the first of a sample (padding); dropped = samples no rank read.
+    """
+    read = [index for shard in shards for index in shard]
     distinct = len(set(read))
-    return {"dataset_size": dataset_size, "world_size": world_size, "drop_last": drop_last,
-            "per_rank": len(read) // world_size, "read": len(read), "distinct": distinct,
+    return {"per_rank": [len(shard) for shard in shards], "read": len(read), "distinct": distinct,
             "duplicates": len(read) - distinct, "dropped": dataset_size - distinct}
 
 
+def coverage(dataset_size: int, world_size: int, drop_last: bool) -> dict:
+    """count_reads of one epoch of torch's DistributedSampler on every rank, computed in this one process."""
+    shards = [orders[0] for orders in epoch_orders(dataset_size, world_size, 1, drop_last=drop_last).values()]
+    counted = count_reads(shards, dataset_size)
+    return {**counted, "dataset_size": dataset_size, "world_size": world_size, "drop_last": drop_last,
+            "per_rank": counted["per_rank"][0]}
+
+
 def expected_coverage(dataset_size: int, world_size: int, drop_last: bool) -> tuple[int, int]:
-    """(duplicates, dropped) by formula: padding repeats ceil(N/n)*n - N samples, drop_last drops N mod n."""
+    """(duplicates, dropped) by formula, from torch/utils/data/distributed.py.
+
+    Padding appends ceil(N/n)*n - N indices taken from the start of the shuffled order (cycling through it
+    again when that is more than N); drop_last cuts the last N mod n indices of the shuffled order.
+    """
     if drop_last:
         return 0, dataset_size % world_size
     return -(-dataset_size // world_size) * world_size - dataset_size, 0
 
 
-def _uneven_steps(model, optimizer, batches: int, generator: torch.Generator, device: torch.device) -> int:
+def padding_repeats_the_start(shards: list[list[int]], dataset_size: int) -> bool:
+    """Are the padded positions N, N+1, ... of the interleaved order copies of positions 0, 1, ...?
+
+    shards: one epoch, one list per rank, as DistributedSampler(drop_last=False) gave them: position p of the
+    padded order is rank p mod n's item p // n.
+    """
+    world_size = len(shards)
+    at = lambda position: shards[position % world_size][position // world_size]
+    total = sum(len(shard) for shard in shards)
+    return all(at(dataset_size + extra) == at(extra % dataset_size) for extra in range(total - dataset_size))
+
+
+def _uneven_steps(model, optimizer, batches: int, generator: torch.Generator) -> int:
     """Run `batches` DDP steps on random (8, 4) inputs, loss mean(output^2); returns the steps completed."""
     steps = 0
     for _ in range(batches):
-        inputs = torch.randn(8, 4, generator=generator).to(device)
+        inputs = torch.randn(8, 4, generator=generator)
         # mse against zeros is mean(output^2); backward all-reduces the gradients across ranks
-        step(model, optimizer, inputs, torch.zeros(8, 1, device=device), loss_fn=F.mse_loss)
+        step(model, optimizer, inputs, torch.zeros(8, 1), loss_fn=F.mse_loss)
         steps += 1
     return steps
 
 
-def train_uneven_with_join(ctx, batches_per_rank: list[int], seed: int = 0) -> dict:
-    """DDP where rank r has batches_per_rank[r] batches, wrapped in Join so early finishers shadow the rest.
+def train_uneven(ctx, batches_per_rank: list[int], join: bool, timeout_s: float, seed: int = 0) -> dict:
+    """DDP where rank r has batches_per_rank[r] batches, inside Join or not; returns what happened on this rank.
 
-    With Join a finished rank answers the others' gradient all-reduces with zeros until every rank is done,
-    so all ranks finish with the same parameters. DDP still divides the sum by the initial world size
-    (Join's divide_by_initial_world_size=True): `uneven_reference` computes the same weights in one process.
+    Without Join the rank that runs out stops all-reducing and the others' next backward waits for it: a real
+    job hangs until the process-group timeout (10 min for NCCL, 30 for gloo by default). Here the model lives
+    on a gloo group whose collectives give up after timeout_s (on the CPU even under NCCL, where a timeout
+    aborts the process), so the hang becomes a recorded error; then every rank meets at a barrier.
+    With Join a finished rank answers the others' all-reduces with zero gradients until all are done, and
+    Join's post-hook broadcasts the last rank's model to every rank. DDP still divides each rank's gradient by
+    the initial world size before summing (divide_by_initial_world_size=True): `uneven_reference` replays that.
     """
     from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel as DDP
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     torch.manual_seed(seed)
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    model = DDP(torch.nn.Linear(4, 1).to(ctx.device), device_ids=device_ids)
+    model = DDP(torch.nn.Linear(4, 1), process_group=group)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    with Join([model]):
-        steps = _uneven_steps(model, optimizer, batches_per_rank[ctx.rank],
-                              torch.Generator().manual_seed(seed + ctx.rank), ctx.device)
-    return {"steps": steps, "weight": model.module.weight.detach().cpu().clone()}
+    generator = torch.Generator().manual_seed(seed + ctx.rank)
+    steps, error, error_type, waited_s = 0, None, None, 0.0
+    start = time.perf_counter()
+    try:
+        with Join([model]) if join else nullcontext():
+            for _ in range(batches_per_rank[ctx.rank]):
+                start = time.perf_counter()
+                steps += _uneven_steps(model, optimizer, 1, generator)
+    except RuntimeError as exc:  # gloo's timeout (DistBackendError is a RuntimeError)
+        waited_s = time.perf_counter() - start
+        error_type, error = type(exc).__name__, str(exc).strip().splitlines()[0]
+    dist.barrier()  # the rank that finished first waits here until the stuck one gave up
+    dist.destroy_process_group(group)
+    return {"join": join, "steps": steps, "planned": batches_per_rank[ctx.rank], "error_type": error_type,
+            "error": error, "waited_s": waited_s, "timeout_s": timeout_s,
+            "weight": model.module.weight.detach().flatten().tolist()}
 
 
 def uneven_reference(batches_per_rank: list[int], seed: int = 0, lr: float = 0.1,
@@ -105,17 +147,17 @@ def uneven_reference(batches_per_rank: list[int], seed: int = 0, lr: float = 0.1
 
     Step s averages the gradients of the ranks that still have a batch, the others counting as zeros:
     sum over active ranks / world size (or / active ranks, with divide_by_initial_world_size=False).
-    Same model seed, inputs and SGD as train_uneven_with_join.
+    Same model seed, inputs and SGD as train_uneven.
     """
     torch.manual_seed(seed)
     model = torch.nn.Linear(4, 1)
     generators = [torch.Generator().manual_seed(seed + rank) for rank in range(len(batches_per_rank))]
-    for step in range(max(batches_per_rank)):
+    for step_index in range(max(batches_per_rank)):
         total = [torch.zeros_like(parameter) for parameter in model.parameters()]
-        active = sum(step < batches for batches in batches_per_rank)
+        active = sum(step_index < batches for batches in batches_per_rank)
         divisor = len(batches_per_rank) if divide_by_initial_world_size else active
         for rank, generator in enumerate(generators):
-            if step < batches_per_rank[rank]:
+            if step_index < batches_per_rank[rank]:
                 loss = model(torch.randn(8, 4, generator=generator)).pow(2).mean()
                 for accumulated, grad in zip(total, torch.autograd.grad(loss, list(model.parameters()))):
                     accumulated += grad
@@ -125,40 +167,12 @@ def uneven_reference(batches_per_rank: list[int], seed: int = 0, lr: float = 0.1
     return model.weight.detach().clone()
 
 
-def train_uneven_without_join(ctx, batches_per_rank: list[int], timeout_s: float = 1.5, seed: int = 0) -> dict:
-    """The same uneven DDP run without Join, on a process group whose collectives give up after timeout_s.
-
-    The rank that runs out of data stops all-reducing; the others' next backward waits for it forever (a
-    real job hangs until the process-group timeout, 10 to 30 minutes). The short timeout turns that hang
-    into an error here, which is recorded; then every rank meets at a barrier on the default group.
-    The group is gloo with the model on the CPU even under NCCL: an NCCL timeout aborts the whole process.
-    """
-    from torch.nn.parallel import DistributedDataParallel as DDP
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
-    torch.manual_seed(seed)
-    model = DDP(torch.nn.Linear(4, 1), process_group=group)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    generator = torch.Generator().manual_seed(seed + ctx.rank)
-    steps, error, error_type, waited_s = 0, None, None, 0.0
-    for _ in range(batches_per_rank[ctx.rank]):
-        start = time.perf_counter()
-        try:
-            steps += _uneven_steps(model, optimizer, 1, generator, torch.device("cpu"))
-        except RuntimeError as exc:  # gloo's timeout (DistBackendError is a RuntimeError)
-            waited_s = time.perf_counter() - start
-            error_type, error = type(exc).__name__, str(exc).strip().splitlines()[0]
-            break
-    dist.barrier()  # the rank that finished first waits here until the stuck one gave up
-    dist.destroy_process_group(group)
-    return {"steps": steps, "planned": batches_per_rank[ctx.rank], "error_type": error_type, "error": error,
-            "waited_s": waited_s, "timeout_s": timeout_s}
-
-
 class SlowTransform(Dataset):
     """Wraps a dataset so each item costs `cost_s` seconds, like decoding and augmenting a real image.
 
-    The cost is a sleep: it stands for work that keeps a worker busy while leaving the core free, which is
-    how several loader workers overlap even on a 2-core machine.
+    The cost is a sleep: it keeps a worker busy while leaving the core free, so several workers overlap even
+    on a 2-core machine. A real decode computes: workers beyond the free cores would not speed it up, so the
+    sleep shows the best case that workers can reach.
     """
 
     def __init__(self, dataset: Dataset, cost_s: float):
@@ -200,15 +214,21 @@ def time_batches(batches, steps: int, device, compute=None) -> dict:
 
 
 def transform_floor_s(batch: int, cost_s: float, num_workers: int) -> float:
-    """The least a step can wait for its batch: batch x cost of the transform, shared by the workers.
+    """The least time per step the loader needs to produce one batch: batch x cost, shared by the workers.
 
-    With no workers the rank itself decodes every sample (divisor 1); n workers decode n batches at once.
+    With no workers the rank decodes every sample itself, inside its wait (divisor 1); n workers decode n
+    batches at once, so in a steady state one batch is ready every batch x cost / n seconds.
     """
     return batch * cost_s / max(1, num_workers)
 
 
 def data_bound(data_s: float, compute_s: float) -> bool:
-    """True when a step waits longer for its batch than it computes on it: a faster model would not help."""
+    """True when a step waits longer for its batch than it computes on it.
+
+    A step is wait + compute, one after the other on the rank. When the wait is the larger part, a model
+    that cost nothing would at most halve the step, while a loader that cost nothing would remove more than
+    half of it: the loader is where speed is won.
+    """
     return data_s > compute_s
 
 

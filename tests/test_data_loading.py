@@ -12,7 +12,7 @@ from labsrc.core import runs
 from labsrc import data_loading
 from labsrc.core.world import RankContext, RequestError
 from labsrc.labs import data_loading as data_loading_lab
-from labsrc.labs.data_loading import Joined, NoJoin, Options, Partition, Skipped, Throughput
+from labsrc.labs.data_loading import Options, Partition, Skipped, Throughput, Uneven
 from labsrc.core.forked import run_ranks
 from labsrc.core.plan import split_global_batch
 
@@ -113,6 +113,7 @@ def test_sweep_arms_offer_pin_memory_only_with_a_gpu():
 
 @pytest.mark.parametrize("values, named", [({"workers": (0, -1)}, "workers"), ({"steps": 0}, "steps"),
                                            ({"cost_ms": -1}, "cost_ms"), ({"join_timeout_s": 0}, "join_timeout_s"),
+                                           ({"joined_timeout_s": 0}, "joined_timeout_s"),
                                            ({"global_batch": -8}, "global_batch")])
 def test_options_refuse_bad_values_naming_the_option(values, named):
     with pytest.raises(RequestError, match=named):
@@ -171,32 +172,56 @@ def _of(records, record_class):
 
 def test_lab_records_each_ranks_own_sampler_orders(lab_run):
     summary, records = lab_run
+    assert summary["dataset_size"] == 11, "the default is a size 2 ranks do not divide: padding has work to do"
     for rank, rows in _of(records, Partition).items():
-        by_flag = {row.set_epoch: row.epochs for row in rows}
-        for flag in (True, False):
-            expected = data_loading.rank_epoch_orders(summary["dataset_size"], rank, 2, summary["epochs"], set_epoch=flag)
-            assert by_flag[flag] == expected
+        by_flags = {(row.set_epoch, row.drop_last): row.epochs for row in rows}
+        assert sorted(by_flags) == sorted(data_loading_lab.PARTITIONS)
+        for (set_epoch, drop_last), orders in by_flags.items():
+            assert orders == data_loading.rank_epoch_orders(summary["dataset_size"], rank, 2, summary["epochs"],
+                                                            set_epoch=set_epoch, drop_last=drop_last)
 
 
-def test_join_lets_uneven_ranks_finish_with_identical_parameters(lab_run):
+def _uneven(records, join):
+    """[Uneven record of rank 0, of rank 1] with or without Join."""
+    return [next(row for row in rows if row.join == join) for _, rows in sorted(_of(records, Uneven).items())]
+
+
+def test_join_lets_uneven_ranks_finish_with_the_replayed_weights(lab_run):
     summary, records = lab_run
-    joined = [rows[0] for rows in _of(records, Joined).values()]
+    joined = _uneven(records, join=True)
     assert summary["batches_per_rank"] == [3, 4]
     assert [r.steps for r in joined] == summary["batches_per_rank"]
-    assert joined[0].weight == joined[1].weight
+    assert [r.error for r in joined] == [None, None]
     reference = data_loading.uneven_reference(summary["batches_per_rank"], seed=0)
-    torch.testing.assert_close(torch.tensor(joined[0].weight), reference.flatten())
+    for record in joined:
+        torch.testing.assert_close(torch.tensor(record.weight), reference.flatten())
     by_active = data_loading.uneven_reference(summary["batches_per_rank"], seed=0, divide_by_initial_world_size=False)
-    assert not torch.allclose(torch.tensor(joined[0].weight), by_active.flatten()), "Join's default divisor"
+    assert not torch.allclose(torch.tensor(joined[1].weight), by_active.flatten()), "Join's default divisor"
 
 
 def test_without_join_the_longer_rank_waits_until_the_timeout(lab_run):
     summary, records = lab_run
-    short, long = [rows[0] for rows in _of(records, NoJoin).values()]
+    short, long = _uneven(records, join=False)
     assert (short.steps, short.error) == (3, None), "the rank with fewer batches finishes its own"
     assert long.steps == 3 and long.planned == 4, "the 4th step can never complete"
-    assert long.error_type in ("RuntimeError", "DistBackendError") and "Timed out" in long.error, long.error
+    assert long.error_type in ("RuntimeError", "DistBackendError"), long.error
     assert long.waited_s >= 0.5 * summary["join_timeout_s"], "the wait ended before the timeout"
+
+
+def _join_that_does_not_shadow(ctx, run_dir):
+    """train_uneven inside a disabled Join (it answers no collective): the longer rank must time out."""
+    from unittest import mock
+    from torch.distributed.algorithms import join as join_module
+    real_join = join_module.Join
+    disabled = lambda joinables: real_join(joinables, enable=False)
+    with mock.patch.object(join_module, "Join", disabled):
+        return data_loading.train_uneven(ctx, [1, 2], join=True, timeout_s=1.0)
+
+
+def test_a_join_that_does_not_shadow_leaves_the_longer_rank_stuck(tmp_path):
+    short, long = run_ranks(_join_that_does_not_shadow, 2, args=(tmp_path,), timeout_s=60)
+    assert (short["steps"], short["error"]) == (1, None)
+    assert long["steps"] == 1 and long["error_type"] is not None, "the notebook's Join assert must catch this"
 
 
 def test_lab_sweep_times_every_arm_and_skips_pin_memory_without_gpu(lab_run):
@@ -256,3 +281,15 @@ def test_cifar10_through_torchvision_on_files_we_made(tmp_path, monkeypatch):
 
 def test_cifar10_is_none_when_absent(tmp_path):
     assert data.cifar10(tmp_path) is None
+
+
+def test_padding_check_accepts_torch_and_rejects_other_padding():
+    for size, world_size in [(11, 2), (10, 4), (3, 8), (12, 4)]:
+        shards = [orders[0] for orders in data_loading.epoch_orders(size, world_size, 1).values()]
+        assert data_loading.padding_repeats_the_start(shards, size)
+        counted = data_loading.count_reads(shards, size)
+        padding, _ = data_loading.expected_coverage(size, world_size, False)
+        assert counted["dropped"] == 0 and counted["duplicates"] == padding
+    shards = [orders[0] for orders in data_loading.epoch_orders(11, 2, 1).values()]
+    shards[1][-1] = next(index for index in shards[1] if index != shards[0][0])  # padded with another sample
+    assert not data_loading.padding_repeats_the_start(shards, 11)

@@ -20,6 +20,7 @@ from labsrc.training import data
 from labsrc.training.loop import step
 from labsrc.training.models import build_model
 
+PARTITIONS = ((True, False), (False, False), (True, True))  # (set_epoch, drop_last) of each partition demo
 SOURCES = {"slow_transform": "slow transform", "plain": "no slow transform", "resident": "resident on the device"}
 
 
@@ -27,26 +28,31 @@ SOURCES = {"slow_transform": "slow transform", "plain": "no slow transform", "re
 class Options(LabOptions):
     """Sampler shards, uneven inputs with and without Join, and the loader timed against the step."""
 
-    dataset_size: int = 10
-    """Samples in the partition demo (small enough to read every index)."""
+    dataset_size: int = 11
+    """Samples in the partition demo: small enough to read every index, and prime, so no world size from 2 to
+    10 divides it and padding and drop_last both have work to do."""
     epochs: int = 3
     """Epochs in the partition demo."""
     uneven_base: int = 3
     """Rank r gets uneven_base + r batches in the Join demo."""
     join_timeout_s: float = 1.5
-    """Collective timeout that ends the no-Join hang (real jobs wait 10-30 min)."""
+    """Collective timeout that ends the no-Join hang (real jobs wait 10 min on NCCL, 30 on gloo)."""
+    joined_timeout_s: float = 10.0
+    """Collective timeout of the run inside Join: long enough for a loaded machine, and a Join that failed to
+    shadow the collectives ends in a recorded error after it instead of a hang."""
     cost_ms: float = 2.0
     """Milliseconds the slow transform takes per sample (a JPEG decode and augmentation)."""
     workers: tuple[int, ...] = ()
     """num_workers values to sweep (empty: 0, 2 and the profile's)."""
-    steps: int = 6
-    """Timed batches per loader arm, after one warm-up batch."""
+    steps: int = 16
+    """Timed batches per loader arm, after one warm-up batch: enough that the batches the workers prefetched
+    during the warm-up (prefetch_factor 2 each) are used up and the median is the steady state."""
     global_batch: int = 0
     """Samples per step over all ranks in the loader sweep (0: the profile's); must split over the ranks."""
 
     def validate(self) -> None:
         super().validate()
-        for name in ("dataset_size", "epochs", "uneven_base", "join_timeout_s", "steps"):
+        for name in ("dataset_size", "epochs", "uneven_base", "join_timeout_s", "joined_timeout_s", "steps"):
             positive(name, getattr(self, name))
         positive("cost_ms", self.cost_ms, allow_zero=True)
         positive("global_batch", self.global_batch, allow_zero=True)
@@ -56,32 +62,27 @@ class Options(LabOptions):
 
 @dataclass
 class Partition(Record):
-    """The indices this rank read in each epoch, with or without sampler.set_epoch."""
+    """The indices this rank read in each epoch, with or without sampler.set_epoch, padded or drop_last."""
 
     KIND: ClassVar[str] = "partition"
     set_epoch: bool
+    drop_last: bool
     epochs: list  # [[index, ...] read in epoch 0, [...] in epoch 1, ...]
 
 
 @dataclass
-class NoJoin(Record):
-    """Uneven DDP without Join: steps done before the collective timed out, and what it raised."""
+class Uneven(Record):
+    """Uneven DDP (rank r has uneven_base + r batches) with or without Join: steps done, what a collective
+    raised (None when the rank finished), how long it waited, and the final weight (1, 4) flattened."""
 
-    KIND: ClassVar[str] = "no_join"
+    KIND: ClassVar[str] = "uneven"
+    join: bool
     steps: int
     planned: int
     error_type: str | None
     error: str | None
     waited_s: float
     timeout_s: float
-
-
-@dataclass
-class Joined(Record):
-    """Uneven DDP inside Join: steps done and the final weight (1, 4) flattened."""
-
-    KIND: ClassVar[str] = "join"
-    steps: int
     weight: list
 
 
@@ -169,21 +170,22 @@ def throughput_sweep(ctx, records, profile, batch: int, cost_s: float, workers: 
 def data_loading_lab(ctx, records, options: Options) -> dict:
     profile = resolve_profile(options)
     batch = split_global_batch(options.global_batch, profile, ctx.world_size) // ctx.world_size
-    for set_epoch in (True, False):
+    for set_epoch, drop_last in PARTITIONS:
         orders = data_loading.rank_epoch_orders(options.dataset_size, ctx.rank, ctx.world_size, options.epochs,
-                                                set_epoch=set_epoch, seed=options.seed)
-        records.write(Partition(set_epoch=set_epoch, epochs=orders))
+                                                set_epoch=set_epoch, drop_last=drop_last, seed=options.seed)
+        records.write(Partition(set_epoch=set_epoch, drop_last=drop_last, epochs=orders))
     batches = [options.uneven_base + rank for rank in range(ctx.world_size)]
     if ctx.world_size > 1:
-        records.write(NoJoin(**data_loading.train_uneven_without_join(ctx, batches, options.join_timeout_s,
-                                                                      options.seed)))
-    joined = data_loading.train_uneven_with_join(ctx, batches, options.seed)
-    records.write(Joined(steps=joined["steps"], weight=joined["weight"].flatten().tolist()))
+        for join, timeout_s in ((False, options.join_timeout_s), (True, options.joined_timeout_s)):
+            records.write(Uneven(**data_loading.train_uneven(ctx, batches, join, timeout_s, options.seed)))
+    else:
+        records.write(Skipped(arm="uneven", reason="one rank has nothing to be uneven with: launch 2 or more"))
     workers = list(options.workers) or default_workers(profile)
     throughput_sweep(ctx, records, profile, batch, options.cost_ms / 1000, workers, options.steps, options.seed)
     return {"profile": profile.name, "dataset_size": options.dataset_size, "epochs": options.epochs,
             "cost_ms": options.cost_ms, "workers": workers, "steps": options.steps, "batch_per_rank": batch,
-            "batches_per_rank": batches, "join_timeout_s": options.join_timeout_s}
+            "batches_per_rank": batches, "join_timeout_s": options.join_timeout_s,
+            "joined_timeout_s": options.joined_timeout_s}
 
 
 def main(argv=None):

@@ -5,9 +5,18 @@ from __future__ import annotations
 def make(save):
     from labsrc import launch
     from labsrc.core.plan import make_plan
+    from labsrc.labs.data_loading import Throughput, Uneven
     from labsrc.plots import data_loading as plots
     plan = make_plan()
     result = launch.run("data_loading", nproc=plan.world_size, timeout=300, global_batch=plan.global_batch)
     save("partitions_set_epoch", plots.partitions(result, set_epoch=True).figure)
     save("partitions_no_set_epoch", plots.partitions(result, set_epoch=False).figure)
+    save("partitions_drop_last", plots.partitions(result, set_epoch=True, drop_last=True).figure)
     save("step_split", plots.step_split(result).figure)
+    for row in result.of(Throughput, rank=0):  # the numbers the deck's table quotes
+        mean_ms = 1000 * sum(row.data_steps_s) / len(row.data_steps_s)
+        print(f"  {row.label}: median data {1000 * row.data_s:.2f} ms (mean {mean_ms:.2f}), "
+              f"median compute {1000 * row.compute_s:.2f} ms")
+    for row in result.of(Uneven):
+        print(f"  rank {row.rank} join={row.join}: {row.steps}/{row.planned} steps, waited {row.waited_s:.2f} s, "
+              f"{row.error_type}")

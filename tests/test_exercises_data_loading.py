@@ -1,0 +1,111 @@
+"""Notebook 03's exercise checkers accept the reference solutions and reject planted mistakes, naming them."""
+import math
+
+import pytest
+import torch
+
+from labsrc.core.exercises import ExerciseFailed, load_solution
+from labsrc.exercises import data_loading as checkers
+
+
+def _order(size, seed, shuffle):
+    if not shuffle:
+        return list(range(size))
+    return torch.randperm(size, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _sampler_like(size, rank, n, epoch, seed, shuffle, drop_last, *, pad=None, stride=True, order_seed=None,
+                  cut_start=False):
+    """A shard built like DistributedSampler's, with one step swapped for a planted mistake."""
+    order = _order(size, seed + epoch if order_seed is None else order_seed, shuffle)
+    if drop_last:
+        per_rank = size // n
+        order = order[size - per_rank * n:] if cut_start else order[:per_rank * n]
+    else:
+        per_rank = math.ceil(size / n)
+        missing = per_rank * n - size
+        order = order + (pad or (lambda order, missing: (order * (missing // size + 1))[:missing]))(order, missing)
+    return order[rank::n] if stride else order[rank * per_rank:(rank + 1) * per_rank]
+
+
+def no_padding(size, rank, n, epoch, seed, shuffle, drop_last):
+    if drop_last:
+        return _sampler_like(size, rank, n, epoch, seed, shuffle, drop_last)
+    return _order(size, seed + epoch, shuffle)[rank::n]
+
+
+def padding_from_the_end(size, rank, n, epoch, seed, shuffle, drop_last):
+    return _sampler_like(size, rank, n, epoch, seed, shuffle, drop_last,
+                         pad=lambda order, missing: [order[-1 - k % size] for k in range(missing)])
+
+
+def contiguous_blocks(size, rank, n, epoch, seed, shuffle, drop_last):
+    return _sampler_like(size, rank, n, epoch, seed, shuffle, drop_last, stride=False)
+
+
+def ignores_epoch(size, rank, n, epoch, seed, shuffle, drop_last):
+    return _sampler_like(size, rank, n, 0, seed, shuffle, drop_last)
+
+
+def seed_per_rank(size, rank, n, epoch, seed, shuffle, drop_last):
+    return _sampler_like(size, rank, n, epoch, seed, shuffle, drop_last, order_seed=seed + epoch + rank)
+
+
+def ignores_drop_last(size, rank, n, epoch, seed, shuffle, drop_last):
+    return _sampler_like(size, rank, n, epoch, seed, shuffle, False)
+
+
+def drops_the_start(size, rank, n, epoch, seed, shuffle, drop_last):
+    return _sampler_like(size, rank, n, epoch, seed, shuffle, drop_last, cut_start=True)
+
+
+def reseeds_the_global_generator(size, rank, n, epoch, seed, shuffle, drop_last):
+    torch.manual_seed(seed + epoch)
+    return _sampler_like(size, rank, n, epoch, seed, shuffle, drop_last)
+
+
+def test_shard_indices_solution_passes(capsys):
+    checkers.check_shard_indices(load_solution("data_loading", "shard_indices"))
+    assert "passed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("wrong, named", [
+    (no_padding, "no padding"),
+    (padding_from_the_end, "padding with the wrong elements"),
+    (contiguous_blocks, "contiguous block"),
+    (ignores_epoch, "ignores the epoch"),
+    (seed_per_rank, "SAME permutation"),
+    (ignores_drop_last, "drop_last=True: each rank gets floor"),
+    (drops_the_start, "END of the shuffled order"),
+    (reseeds_the_global_generator, "global random state"),
+])
+def test_shard_indices_mistakes_are_named(wrong, named):
+    with pytest.raises(ExerciseFailed, match=named):
+        checkers.check_shard_indices(wrong)
+
+
+def test_shard_counts_solution_passes(capsys):
+    checkers.check_shard_counts(load_solution("data_loading", "shard_counts"))
+    assert "passed" in capsys.readouterr().out
+
+
+def _counts(per_rank=None, duplicates=None, dropped=None):
+    """The right counts, with the named quantity computed the wrong way."""
+    def shard_counts(size, n, drop_last):
+        right = load_solution("data_loading", "shard_counts")(size, n, drop_last)
+        wrong = {0: per_rank, 1: duplicates, 2: dropped}
+        return tuple(wrong[k](size, n, drop_last) if wrong[k] else right[k] for k in range(3))
+    return shard_counts
+
+
+@pytest.mark.parametrize("wrong, named", [
+    (_counts(per_rank=lambda size, n, drop_last: size // n), "padding rounds UP"),
+    (_counts(per_rank=lambda size, n, drop_last: math.ceil(size / n)), "drop_last rounds DOWN"),
+    (_counts(duplicates=lambda size, n, drop_last: 0 if drop_last else size % n), "not N mod n"),
+    (_counts(duplicates=lambda size, n, drop_last: -size % n), "drop_last pads nothing"),
+    (_counts(dropped=lambda size, n, drop_last: size % n), "padding drops nothing"),
+    (_counts(dropped=lambda size, n, drop_last: (size % n if size >= n else 0) if drop_last else 0), "N < n"),
+])
+def test_shard_counts_mistakes_are_named(wrong, named):
+    with pytest.raises(ExerciseFailed, match=named):
+        checkers.check_shard_counts(wrong)
