@@ -32,21 +32,30 @@ class CommCounter:
     bytes: int = 0
     dtypes: set = field(default_factory=set)
     bucket_storages: dict = field(default_factory=dict)  # data_ptr -> bytes of each bucket DDP handed over
+    bucket_members: dict = field(default_factory=dict)  # bucket index -> data_ptrs of its parameters, in order
 
     def reset(self) -> None:
         self.calls, self.bytes = 0, 0
+        self.bucket_members.clear()
+
+    def buckets(self, model: nn.Module) -> list[list[int]]:
+        """The buckets seen since the last reset, bucket 0 first, as indices into model.parameters()."""
+        index_of = {p.data_ptr(): index for index, p in enumerate(model.parameters())}
+        return [[index_of[ptr] for ptr in self.bucket_members[b]] for b in sorted(self.bucket_members)]
 
 
 def counting_hook(dtype: torch.dtype | None = None):
     """A DDP comm hook that all-reduces each bucket (cast to `dtype` if given) and counts what it sent.
 
     Does what torch's allreduce_hook / fp16_compress_hook / bf16_compress_hook do: divide by the world
-    size, all-reduce asynchronously, and (compressed) copy the result back into the fp32 bucket.
+    size (before summing, as DDP's reducer does without a hook), all-reduce (SUM) asynchronously, and
+    (compressed) copy the result back into the fp32 bucket: only the bytes on the wire shrink.
     The bytes counted are those of the tensor actually handed to all_reduce.
     """
     def hook(counter, bucket):  # no annotations: DDP checks them, and this module's are strings
         buffer = bucket.buffer()  # (bucket elements,) flat gradients of this bucket
         counter.bucket_storages[buffer.untyped_storage().data_ptr()] = buffer.untyped_storage().nbytes()
+        counter.bucket_members[bucket.index()] = [p.data_ptr() for p in bucket.parameters()]
         sent = buffer if dtype is None else buffer.to(dtype)
         sent.div_(dist.get_world_size())
         counter.calls += 1

@@ -53,6 +53,7 @@ def assign_buckets(parameters: list[nn.Parameter], cap_bytes: int, first_cap_byt
     Reverse order, as DDP does: backward produces the last layer's gradients first, so the first bucket
     fills first and its all-reduce can start while backward is still running. first_cap_bytes (default:
     cap_bytes) limits the first bucket only; torch DDP uses 1 MiB there when bucket_cap_mb is left unset.
+    A parameter is never split: one larger than the room left joins the bucket whole, which then closes.
     """
     buckets, current, size = [], [], 0
     for index in reversed(range(len(parameters))):

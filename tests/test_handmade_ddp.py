@@ -72,6 +72,8 @@ def test_handmade_ddp_matches_torch_ddp_and_one_process(world_size):
 def test_bucket_rule_closes_at_the_cap_in_reverse_order():
     parameters = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 10, 30, 5)]  # 40, 40, 120, 20 bytes
     assert handmade_ddp.assign_buckets(parameters, 50) == [[3, 2], [1, 0]]
+    assert handmade_ddp.assign_buckets(parameters, 60) == [[3, 2], [1, 0]], "120 bytes join the bucket whole"
+    assert handmade_ddp.assign_buckets(parameters, 80) == [[3, 2], [1, 0]], "40 + 40 reaches 80: it closes"
     assert handmade_ddp.assign_buckets(parameters, 10**6) == [[3, 2, 1, 0]]
     assert handmade_ddp.assign_buckets(parameters, 10**6, first_cap_bytes=10) == [[3], [2, 1, 0]]
 
@@ -89,7 +91,9 @@ def _torch_ddp_bucket_counts(ctx, caps_mb, width):
             train_step(model, None, *lab.rank_batch(ctx.rank, 2, width, step))
             calls.append(counter.calls)
         first_cap, cap_bytes = ddp_internals.torch_ddp_caps(cap)
-        rows.append((calls, len(handmade_ddp.assign_buckets(parameters, cap_bytes, first_cap)), counter.bytes))
+        predicted = handmade_ddp.assign_buckets(parameters, cap_bytes, first_cap)
+        assert counter.buckets(model.module) == predicted, f"cap {cap}: DDP's buckets differ from the predicted ones"
+        rows.append((calls, len(predicted), counter.bytes))
     return rows, sum(p.numel() * p.element_size() for p in parameters)
 
 

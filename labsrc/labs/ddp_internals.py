@@ -74,7 +74,8 @@ class Equivalence(Record):
 
 @dataclass
 class BucketSweep(Record):
-    """torch DDP at one bucket_cap_mb: all-reduces per step (step 0 first), bytes, median step time, buckets predicted."""
+    """torch DDP at one bucket_cap_mb: all-reduces per step (step 0 first), bytes, median step time, buckets
+    DDP all-reduced in the last step and those predicted (parameter indices per bucket, bucket 0 first)."""
 
     KIND: ClassVar[str] = "buckets"
     cap_mb: float
@@ -84,6 +85,8 @@ class BucketSweep(Record):
     bytes_per_step: int
     gradient_bytes: int
     predicted_buckets: int
+    buckets: list
+    predicted: list
 
 
 @dataclass
@@ -222,10 +225,12 @@ def bucket_sweep(ctx, records, width: int, batch: int, caps_mb: list[float], rep
             seconds.append(elapsed["s"])
             calls.append(counter.calls)
         first_cap, cap_bytes = ddp_internals.torch_ddp_caps(cap)
+        predicted = handmade_ddp.assign_buckets(parameters, cap_bytes, first_cap)
         records.write(BucketSweep(cap_mb=cap, allreduce_calls=calls[-1], calls_per_step=calls,
                                   step_s=statistics.median(seconds[1:]), bytes_per_step=counter.bytes,
                                   gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
-                                  predicted_buckets=len(handmade_ddp.assign_buckets(parameters, cap_bytes, first_cap))))
+                                  predicted_buckets=len(predicted), buckets=counter.buckets(model.module),
+                                  predicted=predicted))
 
 
 def accumulation(ctx, records, width: int, batch: int, micro_steps: int, bucket_cap_mb: float = 0.1) -> None:
