@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import statistics
 
 import torch
 from torch import nn
@@ -154,9 +155,13 @@ def scaler_experiment(steps: int = 24, growth_interval: int = 3, overflow_steps:
             "backoffs": sum(r["scale_after"] < r["scale"] for r in trace)}
 
 
-def clipping_with_and_without_unscale(max_norm: float = 1.0, scale: float = 2.0**12, device="cpu") -> dict:
-    """Gradient norm clip_grad_norm_ sees on scaled gradients vs after scaler.unscale_(optimizer),
-    and the norm of the gradient the optimizer then applies (in true, unscaled units)."""
+def clipping_with_and_without_unscale(max_norm: float = 0.1, scale: float = 2.0**12, device="cpu") -> dict:
+    """clip_grad_norm_ on scaled gradients vs after scaler.unscale_(optimizer), on the same model and batch.
+
+    Per case: the norm clip_grad_norm_ saw, and the norm of the gradient the optimizer applied, read
+    from the parameters' .grad after scaler.step (which has unscaled them by then, in both cases).
+    max_norm sits below the true gradient norm (about 0.3 here), so clipping engages.
+    """
     device = torch.device(device)
     norms = {}
     for unscale_first in (False, True):
@@ -170,13 +175,69 @@ def clipping_with_and_without_unscale(max_norm: float = 1.0, scale: float = 2.0*
         if unscale_first:
             scaler.unscale_(optimizer)
         seen = nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
-        clipped = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.parameters()])).item()
-        scaler.step(optimizer)  # unscales now if unscale_ was not called: the clipped gradient / scale
+        scaler.step(optimizer)  # unscales here if unscale_ was not called: the clipped gradient / scale
         scaler.update()
+        applied = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.parameters()])).item()
         norms["with unscale_" if unscale_first else "without unscale_"] = {
-            "norm_seen_by_clip": seen, "norm_applied": clipped / (1.0 if unscale_first else scale)}
+            "norm_seen_by_clip": seen, "norm_applied": applied}
     norms["scale"], norms["max_norm"] = scale, max_norm
     return norms
+
+
+def tf32_settings() -> dict[str, object]:
+    """The process's TF32 switches as torch reports them (defaults since torch 1.12: matmul False, cuDNN True)."""
+    settings = {"torch.backends.cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+                "torch.backends.cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
+                "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision()}
+    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # the newer spelling, where this torch has it
+        settings["torch.backends.cuda.matmul.fp32_precision"] = torch.backends.cuda.matmul.fp32_precision
+    return settings
+
+
+def tf32_unavailable(device) -> str | None:
+    """Why TF32 cannot be measured on device (None: it can)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "TF32 is a mode of NVIDIA tensor cores; this device is not a CUDA GPU"
+    if torch.cuda.get_device_capability(device)[0] < 8:
+        return "TF32 needs an Ampere or newer GPU (compute capability 8.0); this one is older"
+    return None
+
+
+@contextlib.contextmanager
+def float32_matmul_precision(precision: str):
+    """torch.set_float32_matmul_precision(precision) inside the block ("highest": no TF32, "high": TF32),
+    the previous setting restored after."""
+    previous = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def tf32_matmul(device, size: int = 4096, repeats: int = 10, seed: int = 0) -> dict[str, dict]:
+    """An fp32 (size, size) @ (size, size) matmul with TF32 off ("highest") and on ("high").
+
+    Per setting: the largest error against the float64 product, relative to its mean magnitude, and the
+    median seconds of repeats matmuls (after one warm-up), timed by the course's device-synchronised timer.
+    """
+    device = torch.device(device)
+    generator = torch.Generator().manual_seed(seed)
+    left, right = (torch.randn(size, size, generator=generator, dtype=torch.float64).to(device) for _ in range(2))
+    exact, left32, right32 = left @ right, left.float(), right.float()
+    results = {}
+    for name, precision in (("fp32", "highest"), ("tf32", "high")):
+        with float32_matmul_precision(precision):
+            product = left32 @ right32
+            seconds = []
+            for _ in range(repeats):
+                with timed(device) as timer:
+                    left32 @ right32
+                seconds.append(timer["s"])
+        error = ((product.double() - exact).abs().max() / exact.abs().mean()).item()
+        results[name] = {"relative_error": error, "step_s": statistics.median(seconds)}
+    return results
 
 
 def saved_activation_bytes(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
@@ -210,8 +271,9 @@ def mode_cost(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mode
 
     images: (N, C, H, W) and labels: (N,) on the model's device. fp16 gets ONE GradScaler for all its
     steps, so its loss scale adapts from step to step (growth_interval: GradScaler's, 2000 by default).
-    Returns per-step seconds (warm-up dropped), losses and loss scales used (fp16 only), and on a GPU
-    the peak memory allocated.
+    Returns per-step seconds (warm-up dropped), losses, and for fp16 the loss scale each step used and
+    the steps whose parameters did not change (skipped), and on a GPU the peak memory allocated.
+    TF32 is on for mode "tf32" only (matmuls and cuDNN convolutions), off otherwise, restored after.
     """
     device = images.device
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
@@ -219,17 +281,20 @@ def mode_cost(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mode
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    seconds, losses, scales = [], [], []
+    seconds, losses, scales, skipped = [], [], [], []
     with loop.tf32(mode == "tf32"):
-        for _ in range(steps + 1):
+        for index in range(steps + 1):
+            before = [p.detach().clone() for p in model.parameters()] if scaler is not None else []
             if scaler is not None:
                 scales.append(scaler.get_scale())
             with timed(device) as timer:
                 losses.append(loop.step(model, optimizer, images, labels, mode, scaler))
             seconds.append(timer["s"])
+            if scaler is not None and all(torch.equal(b, p) for b, p in zip(before, model.parameters())):
+                skipped.append(index)
     timed_s = seconds[1:]
-    return {"step_s": sorted(timed_s)[len(timed_s) // 2], "step_times_s": timed_s,
-            "losses": torch.stack(losses).float().tolist(), "loss_scales": scales,
+    return {"step_s": statistics.median(timed_s), "step_times_s": timed_s,
+            "losses": torch.stack(losses).float().tolist(), "loss_scales": scales, "skipped_steps": skipped,
             "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
 
 
@@ -250,27 +315,3 @@ def mode_costs(make_model, images, labels, modes, steps: int = 5, seed: int = 0,
         results[mode] = {**cost, "activation_bytes": saved.pop("total"), "activation_elements": saved.pop("elements"),
                          "activation_bytes_by_dtype": saved}
     return results
-
-
-def accumulation_step(model: nn.Module, optimizer, scaler, micro_batches, device: torch.device,
-                      mode: str) -> torch.Tensor:
-    """One optimizer step of a DDP model over k micro-batches [(images (B, C, H, W), labels (B,)), ...].
-
-    The first k-1 run forward and backward inside model.no_sync() (gradients pile up locally); the
-    last one syncs, so DDP all-reduces the sum once. Each loss is divided by k, so the step uses the
-    mean gradient. Returns this rank's loss over its k micro-batches (a 0-dim tensor). The course's
-    loop.step clears gradients before its backward, so accumulating micro-batches needs this loop.
-    """
-    optimizer.zero_grad(set_to_none=True)
-    total = torch.zeros((), device=device)
-    count = len(micro_batches)
-    for index, (images, labels) in enumerate(micro_batches):
-        sync = contextlib.nullcontext() if index == count - 1 else model.no_sync()
-        with sync:  # forward too: DDP decides in forward whether this backward all-reduces
-            with autocast(device, mode):
-                loss = F.cross_entropy(model(images), labels) / count
-            scaler.scale(loss).backward()
-        total += loss.detach().float()
-    scaler.step(optimizer)
-    scaler.update()
-    return total

@@ -3,13 +3,13 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import mixed_precision, dp_vs_ddp
+from labsrc import dp_vs_ddp, mixed_precision, mixed_precision_ddp
 from labsrc.core import runs
 from labsrc.core.forked import run_ranks
 from labsrc.core.launch import RunResult
 from labsrc.core.profiles import PROFILES
 from labsrc.core.world import RequestError
-from labsrc.labs.mixed_precision import AmpStep, ModeCost, Options, SkippedMode, micro_batch_size, \
+from labsrc.labs.mixed_precision import AmpStep, GradientBytes, ModeCost, Options, SkippedMode, micro_batch_size, \
     mixed_precision_lab, modes_for
 from labsrc.training.models import TinyCNN
 
@@ -52,8 +52,36 @@ def test_scaler_skips_exactly_the_overflowing_steps_and_follows_the_rule():
 
 def test_clip_sees_exactly_scale_times_the_norm_without_unscale():
     clip = mixed_precision.clipping_with_and_without_unscale(scale=2.0**8)
-    assert clip["without unscale_"]["norm_seen_by_clip"] == 2.0**8 * clip["with unscale_"]["norm_seen_by_clip"]
-    assert clip["without unscale_"]["norm_applied"] < clip["with unscale_"]["norm_applied"]
+    true_norm = clip["with unscale_"]["norm_seen_by_clip"]
+    assert true_norm > clip["max_norm"]  # clipping engages
+    assert clip["without unscale_"]["norm_seen_by_clip"] == 2.0**8 * true_norm
+    assert clip["with unscale_"]["norm_applied"] == pytest.approx(clip["max_norm"], rel=1e-4)
+    assert clip["without unscale_"]["norm_applied"] == pytest.approx(clip["max_norm"] / 2.0**8, rel=1e-4)
+
+
+def _message_bytes_on_rank(ctx):
+    images, labels = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
+    return {mode: mixed_precision_ddp.message_bytes(TinyCNN, images, labels, mode)
+            for mode in mixed_precision_ddp.MESSAGE_MODES}
+
+
+def test_autocast_all_reduces_fp32_gradients_and_only_compression_or_bf16_parameters_halve_them():
+    counted = run_ranks(_message_bytes_on_rank, world_size=2)[0]
+    full = 4 * counted["fp32"]["gradient_elements"]
+    assert all(c["equals_torch_hook"] for c in counted.values())
+    for mode in ("fp32", "bf16 autocast", "fp16 autocast + GradScaler"):
+        assert counted[mode]["bytes_per_step"] == [full, full] and set(counted[mode]["bytes_by_dtype"]) == {"float32"}
+    for mode in ("fp32 + bf16_compress_hook", "bf16 parameters"):
+        assert counted[mode]["bytes_per_step"] == [full // 2] * 2 and set(counted[mode]["bytes_by_dtype"]) == {"bfloat16"}
+
+
+def test_float32_matmul_precision_is_restored():
+    before = torch.get_float32_matmul_precision()
+    with mixed_precision.float32_matmul_precision("high" if before == "highest" else "highest"):
+        assert torch.get_float32_matmul_precision() != before
+    assert torch.get_float32_matmul_precision() == before
+    assert mixed_precision.tf32_unavailable("cpu") and set(mixed_precision.tf32_settings()) >= {
+        "torch.backends.cuda.matmul.allow_tf32", "torch.backends.cudnn.allow_tf32"}
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp16"])
@@ -83,6 +111,7 @@ def test_fp16_keeps_one_grad_scaler_across_its_steps():
     scales = costs["fp16"]["loss_scales"]
     assert scales[0] == 2.0**16  # GradScaler's default init_scale
     assert len(set(scales)) > 1, f"the loss scale never moved ({scales}): a fresh GradScaler every step?"
+    assert scales == mixed_precision.expected_scales(5, costs["fp16"]["skipped_steps"], 2.0**16, 1)
 
 
 def test_mode_costs_restore_the_tf32_settings():
@@ -124,6 +153,7 @@ def test_lab_writes_typed_records_that_read_back(tmp_path):
     assert [s.mode for s in result.of(SkippedMode, rank=1)] == ["tf32"]
     steps = result.of(AmpStep)
     assert [s.step for s in steps] == [0, 1, 2] * 2 and all(s.parameter_spread == 0.0 for s in steps)
+    assert {b.mode for b in result.of(GradientBytes, rank=0)} == set(mixed_precision_ddp.MESSAGE_MODES)
     for mine, theirs in zip(result.of(AmpStep, rank=0), result.of(AmpStep, rank=1)):
         assert mine.mean_loss == theirs.mean_loss == pytest.approx((mine.loss + theirs.loss) / 2)
     assert summary["micro_steps"] == 2 and set(summary["modes"]) == {"fp32", "bf16", "fp16"}
@@ -145,7 +175,7 @@ def _amp_ddp_training(ctx, mode: str, steps: int = 6, micro_steps: int = 2):
     micro_batches = list(zip(images.chunk(micro_steps), labels.chunk(micro_steps)))
     losses, spreads = [], []
     for _ in range(steps):
-        losses.append(mixed_precision.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode).item())
+        losses.append(mixed_precision_ddp.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode).item())
         spreads.append(dp_vs_ddp.spread_across_ranks(list(model.parameters())))
     return losses, spreads, scaler.get_scale() if scaler.is_enabled() else None
 
@@ -181,3 +211,14 @@ def test_cuda_modes_report_peak_memory_and_timing():
     costs = mixed_precision.mode_costs(TinyCNN, images, labels, modes, steps=2)
     assert all(c["peak_memory_bytes"] > 0 and c["step_s"] > 0 for c in costs.values())
     assert torch.backends.cuda.matmul.allow_tf32 is before  # mode_costs restores the tf32 setting
+
+
+@needs_gpu
+def test_cuda_tf32_matmul_is_coarser_and_restores_the_setting():
+    reason = mixed_precision.tf32_unavailable("cuda")
+    if reason:
+        pytest.skip(reason)
+    before = torch.get_float32_matmul_precision()
+    matmul = mixed_precision.tf32_matmul("cuda", size=2048, repeats=3)
+    assert matmul["tf32"]["relative_error"] > 10 * matmul["fp32"]["relative_error"]
+    assert torch.get_float32_matmul_precision() == before

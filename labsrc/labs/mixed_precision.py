@@ -1,4 +1,4 @@
-"""Mixed precision on n ranks: step time and memory per mode, and AMP under DDP with gradient accumulation.
+"""Mixed precision on n ranks: step time and memory per mode, the bytes DDP all-reduces per mode, AMP under DDP.
 
     python -m labsrc.launch --nproc 2 mixed_precision -- --micro-steps 4
     torchrun --nproc-per-node 2 -m labsrc.labs.mixed_precision --profile ci
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import dp_vs_ddp, mixed_precision
+from labsrc import dp_vs_ddp, mixed_precision, mixed_precision_ddp
 from labsrc.core.lab import resolve_profile, run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
@@ -23,7 +23,7 @@ from labsrc.training.models import build_model
 
 @dataclass
 class Options(LabOptions):
-    """Step time and memory per precision mode, then AMP under DDP with no_sync gradient accumulation."""
+    """Step time and memory per precision mode, DDP's gradient bytes per mode, then AMP under DDP with no_sync."""
 
     micro_steps: int = 2
     """Micro-batches accumulated per optimizer step in the AMP + DDP run (no_sync on all but the last)."""
@@ -31,12 +31,18 @@ class Options(LabOptions):
     """Timed steps per precision mode, after one warm-up step (the median is reported)."""
     amp_steps: int = 0
     """Optimizer steps of the AMP + DDP run (0: the profile's steps)."""
+    growth_interval: int = 2
+    """fp16's GradScaler growth_interval in the timed runs (torch's default 2000 would never grow in a few steps)."""
+    message_batch: int = 16
+    """Samples per rank in the runs that count the bytes DDP all-reduces (the bytes do not depend on it)."""
 
     def validate(self) -> None:
         super().validate()
         positive("micro_steps", self.micro_steps)
         positive("timed_steps", self.timed_steps)
         positive("amp_steps", self.amp_steps, allow_zero=True)
+        positive("growth_interval", self.growth_interval)
+        positive("message_batch", self.message_batch)
 
 
 @dataclass
@@ -62,6 +68,27 @@ class ModeCost(Record):
     """Peak GPU memory allocated during the steps (None on a CPU)."""
     loss_scales: list[float] = field(default_factory=list)
     """fp16: the loss scale each step used, from one GradScaler kept across the steps (else empty)."""
+    skipped_steps: list[int] = field(default_factory=list)
+    """fp16: the steps (warm-up = 0) whose parameters did not change: GradScaler skipped optimizer.step()."""
+
+
+@dataclass
+class GradientBytes(Record):
+    """The bytes DDP handed to its gradient all-reduce in one backward, in one precision setup, on this rank."""
+
+    KIND: ClassVar[str] = "gradient_bytes"
+    mode: str
+    """fp32, bf16 autocast, fp16 autocast + GradScaler, fp32 + bf16_compress_hook, or bf16 parameters."""
+    bytes_per_step: list[int]
+    """Bytes all-reduced in each backward (counted by a comm hook)."""
+    bytes_by_dtype: dict[str, int]
+    """The last backward's bytes by the dtype sent (float32, bfloat16)."""
+    gradient_elements: int
+    """Gradient elements of the model (its trainable parameters)."""
+    parameter_dtype: str
+    """The parameters' dtype (float32 unless the model itself was cast to bf16)."""
+    equals_torch_hook: bool
+    """The counting hook's all-reduced gradients equal those of torch's own hook (default or bf16_compress_hook)."""
 
 
 @dataclass
@@ -87,10 +114,12 @@ class AmpStep(Record):
     """The autocast mode: bf16 on CPUs, fp16 with a GradScaler on GPUs."""
     micro_batch: int
     """Samples per micro-batch on this rank."""
+    scaler_enabled: bool
+    """Whether a GradScaler runs (fp16 only; bf16 needs none)."""
     scale: float
     """The GradScaler's loss scale after the step (1.0 when no scaler runs)."""
     scale_spread: float
-    """Largest gap between this rank's loss scale and rank 0's (0.0: identical)."""
+    """Largest gap between this rank's loss scale and rank 0's (0.0: identical; always 0.0 without a scaler)."""
     parameter_spread: float
     """Largest gap between any parameter element here and on rank 0 (0.0: identical)."""
 
@@ -98,7 +127,7 @@ class AmpStep(Record):
 def modes_for(device: torch.device) -> tuple[list[str], dict[str, str]]:
     """The modes this device runs, and why the others are skipped."""
     if device.type != "cuda":
-        return ["fp32", "bf16", "fp16"], {"tf32": "TF32 is a tensor-core format of NVIDIA GPUs (Ampere and newer)"}
+        return ["fp32", "bf16", "fp16"], {"tf32": "TF32 is a mode of NVIDIA tensor cores (Ampere and newer GPUs)"}
     modes, skipped = ["fp32"], {}
     if torch.cuda.get_device_capability(device)[0] >= 8:
         modes.append("tf32")
@@ -145,10 +174,10 @@ def amp_ddp_accumulation(ctx, records, profile, options: Options) -> str:
     steps = options.amp_steps or profile.steps
     for step in range(steps):
         micro_batches = [next(batches) for _ in range(options.micro_steps)]
-        loss = mixed_precision.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode)
+        loss = mixed_precision_ddp.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode)
         scale = torch.tensor([scaler.get_scale() if scaler.is_enabled() else 1.0], device=ctx.device)
         records.write(AmpStep(step=step, loss=loss.item(), mean_loss=mean_over_ranks(loss, ctx), mode=mode,
-                              micro_batch=micro_batch, scale=scale.item(),
+                              micro_batch=micro_batch, scaler_enabled=scaler.is_enabled(), scale=scale.item(),
                               scale_spread=dp_vs_ddp.spread_across_ranks([scale]),
                               parameter_spread=dp_vs_ddp.spread_across_ranks(list(model.parameters()))))
         records.progress(step + 1, steps)
@@ -162,15 +191,20 @@ def mixed_precision_lab(ctx, records, options: Options) -> dict:
     dataset = data.synthetic_images(profile.global_batch, profile.image_size, seed=options.seed)
     images, labels = (t.to(ctx.device) for t in dataset.tensors)
     costs = mixed_precision.mode_costs(lambda: build_model(profile.model), images, labels, modes,
-                                       steps=options.timed_steps, seed=options.seed)
+                                       steps=options.timed_steps, seed=options.seed,
+                                       growth_interval=options.growth_interval)
     for mode, cost in costs.items():
         records.write(ModeCost(mode=mode, **cost))
     for mode, reason in skipped.items():
         records.write(SkippedMode(mode=mode, reason=reason))
+    for mode in mixed_precision_ddp.MESSAGE_MODES:
+        counted = mixed_precision_ddp.message_bytes(lambda: build_model(profile.model), images[:options.message_batch],
+                                                    labels[:options.message_batch], mode, seed=options.seed)
+        records.write(GradientBytes(mode=mode, **counted))
     amp_mode = amp_ddp_accumulation(ctx, records, profile, options)
     return {"profile": profile.name, "model": profile.model, "batch": profile.global_batch,
             "image_size": profile.image_size, "modes": costs, "skipped_modes": skipped,
-            "micro_steps": options.micro_steps, "amp_ddp_mode": amp_mode,
+            "micro_steps": options.micro_steps, "growth_interval": options.growth_interval, "amp_ddp_mode": amp_mode,
             "provenance": benchmark.provenance(ctx.device)}
 
 
