@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 
 import torch
@@ -10,14 +11,18 @@ from labsrc.alpha_beta import AlphaBeta, ring_allreduce_time_s
 from labsrc.training.loop import step
 from labsrc.training.timing import timed
 
-# Link models for extrapolation. These are model inputs, not measurements:
-# - NVLink 4 on H100 SXM: 900 GB/s total per GPU, i.e. 450 GB/s each way (NVIDIA H100 datasheet).
-# - InfiniBand NDR: 400 Gb/s = 50 GB/s per port, one port per GPU (NVIDIA ConnectX-7 / Quantum-2 datasheets).
-# - alpha: a per-step latency of the order of NCCL's small-message all-reduce time (tens of microseconds
-#   inside a node, more across nodes); change them to your own 02_collectives fit.
-LINKS = {
-    "NVLink 4 (H100, one node)": AlphaBeta(alpha_s=10e-6, beta_s_per_byte=1 / 450e9, r2=float("nan")),
-    "InfiniBand NDR 400 Gb/s": AlphaBeta(alpha_s=20e-6, beta_s_per_byte=1 / 50e9, r2=float("nan")),
+# Interconnect inputs for the extrapolation: published figures and stated assumptions, NOT measurements.
+# - NVLink 4, H100 SXM: 900 GB/s per GPU in total, so 450 GB/s each way (NVIDIA H100 Tensor Core GPU datasheet).
+# - InfiniBand NDR: 400 Gb/s = 50 GB/s per port each way; a DGX H100 has 8 single-port ConnectX-7 for its compute
+#   fabric, one per GPU (NVIDIA DGX H100 User Guide, "Network Modules"; DGX BasePOD reference architecture).
+# - alpha, the latency of one hop: assumed, of the order NCCL's own tuning model uses (NVIDIA/nccl
+#   src/graph/tuning.cc, hwLat: 0.6-3.4 us per NVLink hop, 2.7-14 us per network hop, by protocol).
+NVLINK = AlphaBeta(alpha_s=2e-6, beta_s_per_byte=1 / 450e9, r2=float("nan"))
+INFINIBAND = AlphaBeta(alpha_s=5e-6, beta_s_per_byte=1 / 50e9, r2=float("nan"))
+LINK_SOURCES = {
+    "NVLink 4 (H100 SXM)": "450 GB/s each way per GPU: NVIDIA H100 datasheet (900 GB/s total); alpha 2 us assumed",
+    "InfiniBand NDR": "50 GB/s per port, 8 ports per DGX H100 (one per GPU): NVIDIA DGX H100 User Guide; "
+                      "alpha 5 us assumed",
 }
 
 
@@ -38,36 +43,108 @@ def scaled_lr(base_lr: float, base_batch: int, global_batch: int) -> float:
     return base_lr * global_batch / base_batch
 
 
-def warmup_lr(step: int, peak_lr: float, warmup_steps: int) -> float:
-    """Linear warm-up from peak/warmup_steps to the peak over warmup_steps steps, then constant."""
-    return peak_lr * min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else peak_lr
+def warmup_lr(step: int, base_lr: float, peak_lr: float, warmup_steps: int) -> float:
+    """Goyal et al. (2017) gradual warm-up: from the base (small-batch) rate at step 0, up by a constant amount
+    each step to the scaled peak k x base at step warmup_steps, then constant."""
+    if step >= warmup_steps:
+        return peak_lr
+    return base_lr + (peak_lr - base_lr) * step / warmup_steps
 
 
 def predict_step_s(compute_s: float, gradient_bytes: float, world_size: int, link: AlphaBeta,
                    overlap: float = 0.0) -> float:
-    """Step time with a ring all-reduce of the gradients: compute + communication - overlap x min(both).
+    """Step time with a ring all-reduce of the gradients over per-message links `link`.
 
-    overlap=0: communication after compute (an upper bound); overlap=1: fully hidden behind backward, so
-    the step takes max(compute, communication).
+    step = compute + communication - overlap x min(compute, communication): overlap=0, communication after
+    compute (an upper bound); overlap=1, fully hidden behind backward, so the step takes max(both).
     """
     communication = ring_allreduce_time_s(gradient_bytes, world_size, link)
     hidden = min(compute_s, communication) * overlap
     return compute_s + communication - hidden
 
 
-def extrapolate(compute_s: float, gradient_bytes: float, gpus: list[int], gpus_per_node: int = 8,
-                overlap: float = 0.0) -> dict[str, list[dict]]:
-    """Predicted step time and efficiency at each GPU count: NVLink inside a node, InfiniBand across nodes.
+def split_nodes(gpus: int, gpus_per_node: int) -> tuple[int, int]:
+    """(GPUs per node in use, nodes): up to one node's worth of GPUs fill one node."""
+    if gpus <= gpus_per_node:
+        return gpus, 1
+    if gpus % gpus_per_node:
+        raise ValueError(f"{gpus} GPUs do not fill whole nodes of {gpus_per_node}")
+    return gpus_per_node, gpus // gpus_per_node
 
-    A flat ring spanning nodes runs at the speed of its slowest link, the InfiniBand one.
+
+def ring_time_s(nbytes: float, gpus: int, gpus_per_node: int = 8, nvlink: AlphaBeta = NVLINK,
+                nic: AlphaBeta = INFINIBAND, nics_per_node: int = 8) -> float:
+    """All-reduce of nbytes over NCCL-style rings: one channel per NIC, so every NIC of a node carries traffic.
+
+    latency: 2(n-1) hops one after the other, linear in the GPU count n; as in NCCL's tuning model
+    (src/graph/tuning.cc) 2(N-1) of them cross the network (the NIC's alpha), the other 2(n-N) stay on NVLink.
+    bandwidth: inside a node 2(g-1)/g nbytes over NVLink; across N nodes each node moves 2(N-1)/N nbytes out
+    over nics_per_node x the NIC's bandwidth. One node: exactly the plain ring formula.
     """
-    rows = {"within a node (NVLink)": [], "across nodes (InfiniBand)": []}
+    per_node, nodes = split_nodes(gpus, gpus_per_node)
+    if nodes == 1:
+        return ring_allreduce_time_s(nbytes, gpus, nvlink)
+    latency = 2 * (gpus - nodes) * nvlink.alpha_s + 2 * (nodes - 1) * nic.alpha_s
+    inside = 2 * (per_node - 1) / per_node * nbytes * nvlink.beta_s_per_byte
+    across = 2 * (nodes - 1) / nodes * nbytes * nic.beta_s_per_byte / nics_per_node
+    return latency + inside + across
+
+
+def tree_time_s(nbytes: float, gpus: int, gpus_per_node: int = 8, nvlink: AlphaBeta = NVLINK,
+                nic: AlphaBeta = INFINIBAND, nics_per_node: int = 8) -> float:
+    """All-reduce of nbytes as NCCL's double binary tree: a chain inside each node, two binary trees across nodes.
+
+    latency: reduce up and broadcast down, each through g-1 NVLink hops and ceil(log2 N) network hops (the tree
+    latency of NCCL's tuning model), so it grows with log2 of the node count, not with the GPU count.
+    bandwidth: each node sends (and receives) 2 x nbytes across nodes, half per tree, over nics_per_node NICs;
+    inside the node the chain carries nbytes up and nbytes down.
+    """
+    per_node, nodes = split_nodes(gpus, gpus_per_node)
+    if gpus <= 1:
+        return 0.0
+    depth = math.ceil(math.log2(nodes)) if nodes > 1 else 0
+    latency = 2 * ((per_node - 1) * nvlink.alpha_s + depth * nic.alpha_s)
+    inside = 2 * nbytes * nvlink.beta_s_per_byte if per_node > 1 else 0.0
+    across = 2 * nbytes * nic.beta_s_per_byte / nics_per_node if nodes > 1 else 0.0
+    return latency + inside + across
+
+
+def algorithm_times(nbytes: float, gpus: int, gpus_per_node: int = 8, **links) -> dict[str, float]:
+    """{"ring": s, "tree": s, "faster": name}: the model's all-reduce time by algorithm, and the faster one.
+
+    NCCL picks per collective and message size from its own tuning model (not this one); NCCL_ALGO forces one.
+    """
+    times = {"ring": ring_time_s(nbytes, gpus, gpus_per_node, **links),
+             "tree": tree_time_s(nbytes, gpus, gpus_per_node, **links)}
+    return {**times, "faster": min(times, key=times.get)}
+
+
+def extrapolate(compute_s: float, gradient_bytes: float, gpus: list[int], gpus_per_node: int = 8,
+                overlap: float = 0.0, **links) -> dict[str, list[dict]]:
+    """Predicted step time and efficiency at each GPU count, for a ring and a tree all-reduce of the gradients.
+
+    {"ring": rows, "tree": rows}, rows [{"gpus", "communication_s", "step_s", "efficiency"}]; efficiency =
+    compute / step (weak scaling: the per-GPU batch, so compute, stays fixed).
+    """
+    rows: dict[str, list[dict]] = {"ring": [], "tree": []}
     for n in gpus:
-        key, link = (("within a node (NVLink)", LINKS["NVLink 4 (H100, one node)"]) if n <= gpus_per_node
-                     else ("across nodes (InfiniBand)", LINKS["InfiniBand NDR 400 Gb/s"]))
-        step = predict_step_s(compute_s, gradient_bytes, n, link, overlap)
-        rows[key].append({"gpus": n, "step_s": step, "efficiency": compute_s / step})
+        times = algorithm_times(gradient_bytes, n, gpus_per_node, **links)
+        for name in rows:
+            hidden = min(compute_s, times[name]) * overlap
+            step = compute_s + times[name] - hidden
+            rows[name].append({"gpus": n, "communication_s": times[name], "step_s": step,
+                               "efficiency": compute_s / step})
     return rows
+
+
+def gpus_above(efficiency: float, compute_s: float, gradient_bytes: float, link: AlphaBeta,
+               max_gpus: int = 4096) -> int:
+    """The largest n (up to max_gpus) whose predicted step (one ring, no overlap) keeps compute / step >= efficiency."""
+    largest = 1
+    for n in range(2, max_gpus + 1):
+        if compute_s / predict_step_s(compute_s, gradient_bytes, n, link) >= efficiency:
+            largest = n
+    return largest
 
 
 def compute_s_from_flops(flops_per_step: float, peak_tflops: float, mfu: float) -> float:

@@ -15,7 +15,9 @@ def test_strong_and_weak_scaling():
 
 def test_learning_rate_rules():
     assert performance_scaling.scaled_lr(0.1, 256, 1024) == pytest.approx(0.4)
-    assert [performance_scaling.warmup_lr(s, 1.0, 4) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    # Goyal et al.: the ramp starts at the base rate (not peak / warmup_steps) and reaches k x base
+    assert [performance_scaling.warmup_lr(s, 0.1, 0.5, 4) for s in range(6)] == pytest.approx(
+        [0.1, 0.2, 0.3, 0.4, 0.5, 0.5])
 
 
 def test_prediction_bounds_and_extrapolation():
@@ -24,10 +26,45 @@ def test_prediction_bounds_and_extrapolation():
     lower = performance_scaling.predict_step_s(0.01, 4e7, 8, link, overlap=1.0)
     assert upper == pytest.approx(0.01 + ring_allreduce_time_s(4e7, 8, link))
     assert lower == pytest.approx(max(0.01, ring_allreduce_time_s(4e7, 8, link)))
-    rows = performance_scaling.extrapolate(0.01, 4.5e7, [2, 8, 16, 64])
-    assert [r["gpus"] for r in rows["within a node (NVLink)"]] == [2, 8]
-    efficiencies = [r["efficiency"] for part in rows.values() for r in part]
-    assert all(a >= b for a, b in zip(efficiencies, efficiencies[1:]))
+    rows = performance_scaling.extrapolate(0.01, 4.5e7, [1, 2, 8, 16, 64])
+    assert [r["gpus"] for r in rows["ring"]] == [1, 2, 8, 16, 64] and rows["ring"][0]["efficiency"] == 1.0
+
+
+def test_ring_model_is_the_plain_ring_inside_a_node_and_uses_every_nic_across_nodes():
+    nvlink, nic = performance_scaling.NVLINK, performance_scaling.INFINIBAND
+    for n in (2, 4, 8):
+        assert performance_scaling.ring_time_s(1e8, n) == ring_allreduce_time_s(1e8, n, nvlink)
+    two_nodes = performance_scaling.ring_time_s(1e9, 16)
+    latency = 2 * 14 * nvlink.alpha_s + 2 * 1 * nic.alpha_s
+    bandwidth = 2 * 7 / 8 * 1e9 * nvlink.beta_s_per_byte + 2 * 1 / 2 * 1e9 * nic.beta_s_per_byte / 8
+    assert two_nodes == pytest.approx(latency + bandwidth)
+    one_nic = performance_scaling.ring_time_s(1e9, 16, nics_per_node=1)
+    assert one_nic - two_nodes == pytest.approx(7 * 1e9 * nic.beta_s_per_byte / 8), "8 NICs carry 8x the bytes"
+
+
+def test_tree_latency_grows_with_log2_of_the_nodes_and_ring_latency_with_the_gpus():
+    def latency(model, gpus):
+        return model(0.0, gpus)
+    for gpus in (16, 32, 64, 128):
+        assert latency(performance_scaling.ring_time_s, 2 * gpus) - latency(performance_scaling.ring_time_s, gpus) \
+            > 2 * (gpus - 1) * performance_scaling.NVLINK.alpha_s
+        step = latency(performance_scaling.tree_time_s, 2 * gpus) - latency(performance_scaling.tree_time_s, gpus)
+        assert step == pytest.approx(2 * performance_scaling.INFINIBAND.alpha_s), "one more tree level per doubling"
+
+
+def test_ring_wins_large_messages_on_few_nodes_and_tree_small_messages_on_many():
+    assert performance_scaling.algorithm_times(4.5e7, 16)["faster"] == "ring"
+    assert performance_scaling.algorithm_times(1e5, 64)["faster"] == "tree"
+    assert performance_scaling.algorithm_times(1e5, 8)["ring"] <= performance_scaling.algorithm_times(1e5, 8)["tree"]
+    with pytest.raises(ValueError, match="whole nodes"):
+        performance_scaling.ring_time_s(1e6, 12)
+
+
+def test_gpus_above_is_the_last_count_reaching_the_efficiency():
+    link = AlphaBeta(5e-6, 1 / 50e9, float("nan"))
+    n = performance_scaling.gpus_above(0.8, 0.01, 4.47e7, link)
+    efficiency = [0.01 / performance_scaling.predict_step_s(0.01, 4.47e7, m, link) for m in (n, n + 1)]
+    assert 1 < n < 4096 and efficiency[0] >= 0.8 > efficiency[1]
 
 
 def test_alpha_beta_fit_recovers_its_parameters():
@@ -85,6 +122,7 @@ def test_lab_measures_ddp_and_local_steps_on_two_ranks():
     expected_bytes = 4 * sum(p.numel() for p in build_model("tiny_cnn").parameters())
     for result in results:
         assert result["per_rank_batch"] == 8 and result["gradient_bytes"] == expected_bytes
+        assert result["allreduced_bytes"] == result["ddp_steps"] * expected_bytes, "no_sync steps add no bytes"
         assert result["step_s"] > 0 and result["local_step_s"] > 0
 
 
@@ -99,7 +137,7 @@ def test_figures_draw_every_series():
     last_points = [line.get_ydata()[-1] for line in efficiency.get_lines()]
     assert last_points == [1.0, strong[2]["efficiency"], weak[2]["efficiency"]]
     predictions = {"a": performance_scaling.extrapolate(0.01, 4e7, [1, 8, 16]),
-                   "b": performance_scaling.extrapolate(0.02, 4e7, [1, 8, 16])}
+                   "b": performance_scaling.extrapolate(0.02, 4e7, [1, 8, 16])}  # a ring and a tree line each
     points = [{"gpus": 1, "efficiency": 1.0}, {"gpus": 8, "efficiency": 0.9}]
     reference = {"provenance": {"device_name": "GPU"}, "scaling": points}
     ax = plots.extrapolation(predictions, [reference])

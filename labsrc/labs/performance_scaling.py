@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labsrc import alpha_beta, collectives, performance_scaling
@@ -19,6 +20,9 @@ from labsrc.core.runs import Record
 from labsrc.core.world import RankContext, RequestError
 from labsrc.training import data
 from labsrc.training.models import build_model
+
+
+WARMUP_STEPS = 2  # untimed steps before the timed ones (first calls allocate and warm caches)
 
 
 @dataclass
@@ -49,6 +53,10 @@ class Scaling(Record):
     step_s: float
     local_step_s: float
     gradient_bytes: int
+    allreduced_bytes: int
+    """Bytes DDP handed to all-reduce in all the DDP steps this rank ran (counted by a comm hook)."""
+    ddp_steps: int
+    """DDP steps run (untimed warm-up ones included); the no_sync steps in between must add no bytes."""
 
 
 @dataclass
@@ -60,22 +68,36 @@ class AllReduceTime(Record):
     seconds: float
 
 
+def counting_allreduce(state: dict, bucket):
+    """DDP's default all-reduce hook, counting the bytes of every bucket it sends into state["bytes"]."""
+    buffer = bucket.buffer()
+    state["bytes"] += buffer.numel() * buffer.element_size()
+    return default_hooks.allreduce_hook(None, bucket)
+
+
 def measure(ctx, profile, per_rank_batch: int, steps: int, seed: int = 0, ddp: bool = True) -> dict:
-    """Fastest step time of this rank at this per-rank batch: with DDP, and without communication."""
+    """Fastest step time of this rank at this per-rank batch: with DDP, and without communication.
+
+    With DDP, also the bytes its all-reduces carried over the DDP steps run (warm-up included).
+    """
     torch.manual_seed(seed)
     model = build_model(profile.model).to(ctx.device)
     wrapped = DDP(model) if ddp else model
+    counted = {"bytes": 0}
+    if ddp:
+        wrapped.register_comm_hook(counted, counting_allreduce)
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=profile.lr, momentum=0.9)
     dataset = data.synthetic_images(max(profile.num_samples, 4 * per_rank_batch), profile.image_size, seed=seed)
     own_data = RankContext(0, 0, 1, ctx.device, "")  # every rank draws from its whole copy: no sharding
     batches = iter(data.DeviceBatches(dataset, per_rank_batch, own_data, seed=seed))
     if ddp:
         step_s, local_s = performance_scaling.paired_step_times(wrapped, batches, optimizer, ctx.device, steps,
-                                                                wrapped.no_sync)
+                                                                wrapped.no_sync, warmup=WARMUP_STEPS)
     else:
         step_s = local_s = performance_scaling.step_times(wrapped, batches, optimizer, ctx.device, steps)
     return {"per_rank_batch": per_rank_batch, "step_s": step_s, "local_step_s": local_s,
-            "gradient_bytes": performance_scaling.gradient_bytes(model)}
+            "gradient_bytes": performance_scaling.gradient_bytes(model), "allreduced_bytes": counted["bytes"],
+            "ddp_steps": (WARMUP_STEPS + steps) if ddp else 0}
 
 
 def scaling_lab(ctx, records, options: Options) -> dict:

@@ -44,21 +44,20 @@ def lr_schedules(schedules: dict[str, list[float]], ax=None):
 
 
 def extrapolation(predictions: dict[str, dict[str, list[dict]]], references: list[dict] | None = None, ax=None):
-    """Predicted scaling efficiency per workload and interconnect ({workload: {link: rows}}), references beside.
+    """Predicted scaling efficiency per workload and all-reduce algorithm ({workload: {"ring"|"tree": rows}}).
 
-    rows: [{"gpus": n, "efficiency": e}, ...] from scaling.extrapolate; a reference is a results/ file with
-    "scaling" points and the "provenance" of the runs that measured them.
+    rows: [{"gpus": n, "efficiency": e}, ...] from performance_scaling.extrapolate; a reference is a results/
+    file with "scaling" points and the "provenance" of the runs that measured them, drawn as stars.
     """
     import matplotlib.pyplot as plt
     ax = new_axes("Alpha-beta model with stated link inputs (lines) and measurements (stars)", "GPUs",
                   "scaling efficiency", ax)
-    markers = {"NVLink": "o-", "InfiniBand": "s--"}
-    for index, (workload, by_link) in enumerate(predictions.items()):
+    markers = {"ring": "o-", "tree": "s--"}
+    for index, (workload, by_algorithm) in enumerate(predictions.items()):
         color = plt.get_cmap("tab10")(index)
-        for link, rows in by_link.items():
-            style = next((m for key, m in markers.items() if key in link), "o-")
-            ax.plot([r["gpus"] for r in rows], [r["efficiency"] for r in rows], style, color=color,
-                    label=f"{workload}: {link}")
+        for algorithm, rows in by_algorithm.items():
+            ax.plot([r["gpus"] for r in rows], [r["efficiency"] for r in rows], markers.get(algorithm, "o-"),
+                    color=color, label=f"{workload}: {algorithm}")
     for reference in references or []:
         points = reference.get("scaling", [])
         ax.plot([p["gpus"] for p in points], [p["efficiency"] for p in points], "k*", markersize=12,

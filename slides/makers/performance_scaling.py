@@ -10,8 +10,7 @@ def scaling_model_diagram(compute_s: float, gradient_bytes: int, workload: str):
     """Per GPU count, the model's step: compute, then the ring all-reduce (labsrc.performance_scaling)."""
     import matplotlib.pyplot as plt
     from labsrc import performance_scaling
-    rows = [r for by_link in performance_scaling.extrapolate(compute_s, gradient_bytes, list(GPUS)).values()
-            for r in by_link]
+    rows = performance_scaling.extrapolate(compute_s, gradient_bytes, list(GPUS))["ring"]
     figure, axes = plt.subplots(figsize=(9, 3.8))
     for index, row in enumerate(sorted(rows, key=lambda r: r["gpus"])):
         talk = row["step_s"] - compute_s
@@ -23,7 +22,8 @@ def scaling_model_diagram(compute_s: float, gradient_bytes: int, workload: str):
     axes.invert_yaxis()
     axes.set_xlabel("predicted step time (ms)")
     axes.set_xlim(0, 1000 * max(r["step_s"] for r in rows) * 1.3)
-    axes.set_title(f"Step = compute + ring all-reduce 2(n-1)(alpha + B/(n beta)): {workload}", fontsize=9)
+    axes.set_title(f"Step = compute + ring all-reduce (NVLink inside a node, 8 NICs per node across): {workload}",
+                   fontsize=9)
     axes.legend(["compute (fixed batch per GPU)", "all-reduce of the gradients"], loc="upper right", fontsize=8)
     return figure
 
@@ -71,7 +71,7 @@ def make(save):
     save("step_gantt", plots.step_gantt(runs).figure)
     save("scaling", plots.scaling_curves(*scaling_run(profile, plan, 2 * profile.repeats))[0].figure)
     schedules = {f"{n} rank(s), effective batch {profile.global_batch * n}":
-                 [performance_scaling.warmup_lr(step, performance_scaling.scaled_lr(
+                 [performance_scaling.warmup_lr(step, profile.lr, performance_scaling.scaled_lr(
                      profile.lr, profile.global_batch, profile.global_batch * n), 10) for step in range(30)]
                  for n in (1, 2, 4, 8)}
     save("lr_schedules", plots.lr_schedules(schedules).figure, measured=False)
@@ -82,5 +82,5 @@ def make(save):
                  "ResNet-18, H100 bf16 at 40% MFU (assumed)": resnet}
     predictions = {name: performance_scaling.extrapolate(c, b, list(GPUS)) for name, (c, b) in workloads.items()}
     save("extrapolation", plots.extrapolation(predictions, load_reference("performance_scaling")).figure)
-    save("scaling_model", scaling_model_diagram(*resnet, "ResNet-18 on H100 (bf16, 40% MFU assumed), "
-                                                         "NVLink to 8 GPUs, InfiniBand beyond"), measured=False)
+    save("scaling_model", scaling_model_diagram(*resnet, "ResNet-18 on H100 (bf16, 40% MFU assumed)"),
+         measured=False)
