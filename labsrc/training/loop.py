@@ -40,7 +40,8 @@ class TrainConfig:
     log_every: int = 1
     """Losses are fetched to the host every this many steps (each fetch is one device sync)."""
     warmup_steps: int = 0
-    """Linear learning-rate warm-up from lr/warmup_steps to lr."""
+    """Linear learning-rate warm-up from lr/warmup_steps to lr, the common form. Goyal et al.'s warm-up for a
+    scaled rate starts from the small-batch rate instead (notebook 06; the capstone's schedule does that)."""
 
 
 def autocast(device: torch.device, precision: str):
