@@ -121,7 +121,9 @@ def train_uneven(ctx, batches_per_rank: list[int], join: bool, timeout_s: float,
     from torch.nn.parallel import DistributedDataParallel as DDP
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     torch.manual_seed(seed)
-    model = DDP(torch.nn.Linear(4, 1), process_group=group)
+    module = torch.nn.Linear(4, 1)
+    dist.barrier()  # arrive together: DDP's construction already communicates on the short-timeout group
+    model = DDP(module, process_group=group)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(seed + ctx.rank)
     steps, error, error_type, waited_s = 0, None, None, 0.0

@@ -59,6 +59,11 @@ def drops_the_start(size, rank, n, epoch, seed, shuffle, drop_last):
     return _sampler_like(size, rank, n, epoch, seed, shuffle, drop_last, cut_start=True)
 
 
+def pads_only_once(size, rank, n, epoch, seed, shuffle, drop_last):
+    return _sampler_like(size, rank, n, epoch, seed, shuffle, drop_last,
+                         pad=lambda order, missing: order[:missing])
+
+
 def reseeds_the_global_generator(size, rank, n, epoch, seed, shuffle, drop_last):
     torch.manual_seed(seed + epoch)
     return _sampler_like(size, rank, n, epoch, seed, shuffle, drop_last)
@@ -71,6 +76,7 @@ def test_shard_indices_solution_passes(capsys):
 
 @pytest.mark.parametrize("wrong, named", [
     (no_padding, "no padding"),
+    (pads_only_once, "padding too short"),
     (padding_from_the_end, "padding with the wrong elements"),
     (contiguous_blocks, "contiguous block"),
     (ignores_epoch, "ignores the epoch"),
@@ -102,6 +108,7 @@ def _counts(per_rank=None, duplicates=None, dropped=None):
     (_counts(per_rank=lambda size, n, drop_last: size // n), "padding rounds UP"),
     (_counts(per_rank=lambda size, n, drop_last: math.ceil(size / n)), "drop_last rounds DOWN"),
     (_counts(duplicates=lambda size, n, drop_last: 0 if drop_last else size % n), "not N mod n"),
+    (_counts(duplicates=lambda size, n, drop_last: 0 if drop_last else min(-size % n, size)), "read three times"),
     (_counts(duplicates=lambda size, n, drop_last: -size % n), "drop_last pads nothing"),
     (_counts(dropped=lambda size, n, drop_last: size % n), "padding drops nothing"),
     (_counts(dropped=lambda size, n, drop_last: (size % n if size >= n else 0) if drop_last else 0), "N < n"),

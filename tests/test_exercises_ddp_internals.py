@@ -57,6 +57,11 @@ def splits_large_parameters(sizes, cap, first_cap):
     (closes_above_the_cap, "REACHES the cap"),
     (closes_before_overflowing, "adds the parameter first"),
     (splits_large_parameters, "never splits a parameter"),
+    (lambda sizes, cap, first_cap: load_solution("ddp_internals", "assign_buckets")(sizes, cap, first_cap)[::-1],
+     "wrong order: bucket 0"),
+    (lambda sizes, cap, first_cap: [sorted(bucket) for bucket in
+                                    load_solution("ddp_internals", "assign_buckets")(sizes, cap, first_cap)],
+     "in the order they enter it"),
     (lambda sizes, cap, first_cap: [list(range(len(sizes)))[::-1]], "not the buckets torch DDP built"),
     (lambda sizes, cap, first_cap: len(sizes), "return a list of buckets"),
 ])

@@ -73,6 +73,11 @@ def _mistake(got: list[int], size: int, rank: int, world_size: int, epoch: int, 
     if shuffle and _ranks_disagree(all_ranks, size, drop_last):
         return ("the ranks' shards do not fit together: every rank must draw the SAME permutation (a generator "
                 "seeded with seed + epoch, nothing rank-dependent) and take its own stride of it.")
+    padding = per_rank * world_size - size
+    if not drop_last and padding > size and got == (order + order[:padding])[rank::world_size]:
+        return (f"padding too short: N={size} < n, so the {padding} padding indices cycle through the shuffled "
+                "order more than once; indices[:padding] gives only N of them. Repeat the order (order * k) "
+                "before cutting it to the padding length.")
     if not drop_last and size % world_size and got == order[rank::world_size]:
         return (f"no padding: with drop_last=False every rank gets ceil(N/n) = {per_rank} indices; append the "
                 "first ceil(N/n)*n - N indices of the shuffled order (again from its start if that is more than "
@@ -137,6 +142,10 @@ def _count_mistake(got: tuple, size: int, world_size: int, drop_last: bool, expe
     if not drop_last and dropped:
         return "padding drops nothing: every sample is read at least once."
     if not drop_last and duplicates != expected[1]:
+        if size < world_size and duplicates == size:
+            return (f"duplicates: you said N = {size}, but with N < n the padding cycles through the order more than "
+                    "once, so some samples are read three times or more: count every read beyond a sample's "
+                    f"first, ceil(N/n)*n - N = {expected[1]}.")
         if duplicates == remainder and remainder:
             return (f"duplicates: the padding fills the last round, ceil(N/n)*n - N = {expected[1]}, not N mod n "
                     f"= {remainder}.")

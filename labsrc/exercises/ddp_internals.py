@@ -93,6 +93,12 @@ def _bucket_verdict(answer, truth, sizes: list[int], first_cap: int, cap: int) -
          "and closes the bucket once its size has reached the cap (so a large parameter shares its bucket)."),
         (_closing(sizes, backward, (first_cap, cap), above=True),
          "a bucket closes as soon as its size REACHES the cap (>=), not only once it exceeds it."),
+        (list(reversed(truth)),
+         "the right buckets in the wrong order: bucket 0 is the one holding the LAST parameters (their gradients "
+         "are ready first, so DDP all-reduces it first); return the buckets in the order you closed them."),
+        ([sorted(bucket) for bucket in truth],
+         "the right buckets, but list each bucket's indices in the order they enter it: last parameter first "
+         "(descending), as DDP lays them out in the bucket."),
     ]
     for buckets, message in mistakes:
         if answer == buckets:
