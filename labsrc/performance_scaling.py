@@ -94,8 +94,9 @@ def tree_time_s(nbytes: float, gpus: int, gpus_per_node: int = 8, nvlink: AlphaB
                 nic: AlphaBeta = INFINIBAND, nics_per_node: int = 8) -> float:
     """All-reduce of nbytes as NCCL's double binary tree: a chain inside each node, two binary trees across nodes.
 
-    latency: reduce up and broadcast down, each through g-1 NVLink hops and ceil(log2 N) network hops (the tree
-    latency of NCCL's tuning model), so it grows with log2 of the node count, not with the GPU count.
+    latency: reduce up and broadcast down, each through g-1 NVLink hops and ceil(log2 N) network hops (NCCL's
+    tuning model has the same form with log2 N rounded down: equal for power-of-two node counts), so it grows
+    with log2 of the node count, not with the GPU count.
     bandwidth: each node sends (and receives) 2 x nbytes across nodes, half per tree, over nics_per_node NICs;
     inside the node the chain carries nbytes up and nbytes down.
     """

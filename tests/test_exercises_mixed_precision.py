@@ -91,8 +91,33 @@ def never_scales_the_loss(model, optimizer, loss, state):
     _grow(state, lambda s: s["clean_steps"] == s["growth_interval"])
 
 
+def never_restarts_the_count_after_growth(model, optimizer, loss, state):
+    (loss * state["scale"]).backward()
+    if not _unscaled(model, state["scale"]):
+        state["scale"] *= 0.5
+        state["clean_steps"] = 0
+        return
+    optimizer.step()
+    state["clean_steps"] += 1
+    if state["clean_steps"] == state["growth_interval"]:
+        state["scale"] *= 2.0  # the count runs on past growth_interval and never equals it again
+
+
+def checks_the_loss_not_the_gradients(model, optimizer, loss, state):
+    (loss * state["scale"]).backward()
+    _unscaled(model, state["scale"])
+    if not torch.isfinite(loss):
+        state["scale"] *= 0.5
+        state["clean_steps"] = 0
+        return
+    optimizer.step()
+    _grow(state, lambda s: s["clean_steps"] == s["growth_interval"])
+
+
 @pytest.mark.parametrize("wrong, named", [
     (never_skips, "not skipping on inf"),
+    (never_restarts_the_count_after_growth, "restart the count from 0 after each growth"),
+    (checks_the_loss_not_the_gradients, "not the loss: a finite loss can still overflow in backward"),
     (backs_off_without_skipping, "backed off .* without skipping"),
     (steps_before_unscaling, "too large: optimizer.step\\(\\) ran on gradients still multiplied"),
     (grows_every_clean_step, "growing too early"),
@@ -132,6 +157,14 @@ def plain_optimizer_step(model, optimizer, scaler, loss, max_norm):
     scaler.update()
 
 
+def never_scales_the_loss_before_clipping(model, optimizer, scaler, loss, max_norm):
+    loss.backward()
+    scaler.unscale_(optimizer)
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    scaler.step(optimizer)
+    scaler.update()
+
+
 def forgets_update(model, optimizer, scaler, loss, max_norm):
     scaler.scale(loss).backward()
     scaler.unscale_(optimizer)
@@ -144,6 +177,7 @@ def forgets_update(model, optimizer, scaler, loss, max_norm):
     (never_clips, "nothing was clipped"),
     (plain_optimizer_step, "not optimizer.step\\(\\)"),
     (forgets_update, "scaler.update\\(\\)"),
+    (never_scales_the_loss_before_clipping, "the loss was never scaled"),
 ])
 def test_clip_after_unscale_mistakes_are_named(wrong, named):
     with pytest.raises(ExerciseFailed, match=named):

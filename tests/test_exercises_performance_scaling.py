@@ -34,6 +34,7 @@ def test_predict_step_time_solution_passes(capsys):
     (step_with(lambda s, n, link: ring(s, n, link, chunk=s)), "whole buffer"),
     (lambda c, s, n, link, overlap: c + ring(s, n, link), "overlap is ignored"),
     (lambda c, s, n, link, overlap: c + ring(s, n, link) * (1 - overlap), "only the shorter"),
+    (step_with(lambda s, n, link: 2 * (n - 1) * s / n * link.beta_s_per_byte), "latency term is missing"),
 ])
 def test_predict_step_time_mistakes_are_named(wrong, named):
     with pytest.raises(ExerciseFailed, match=named):
@@ -53,6 +54,8 @@ def with_tree(tree):
     (with_tree(lambda s, n, link: 2 * (n - 1) * link.alpha_s + 2 * s * link.beta_s_per_byte), "grows linearly"),
     (with_tree(lambda s, n, link: math.ceil(math.log2(n)) * link.alpha_s + s * link.beta_s_per_byte), "broadcast"),
     (with_tree(lambda s, n, link: 2 * math.log2(n) * link.alpha_s + 2 * s * link.beta_s_per_byte), "ceil"),
+    (with_tree(lambda s, n, link: 2 * math.floor(math.log2(n)) * link.alpha_s + 2 * s * link.beta_s_per_byte),
+     "floor\\(log2 n\\) rounds are too few"),
     (lambda s, n, link: {"ring": ring(s, n, link, chunk=s), "tree": 0.0}, "whole buffer"),
     (lambda s, n, link: {"ring": ring(s, n, link, steps=n - 1), "tree": 0.0}, "two phases"),
     (lambda s, n, link: (ring(s, n, link), 0.0), "dict"),

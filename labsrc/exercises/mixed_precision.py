@@ -11,19 +11,29 @@ from labsrc.mixed_precision import small_model, toy_batch
 
 INIT_SCALE = 2.0**8
 GROWTH_INTERVAL = 2
-OVERFLOW_STEPS = (3, 4, 8)  # an input x 1e5 overflows fp16 in the forward: inf/NaN gradients
-STEPS = 11
+FORWARD_OVERFLOW_STEPS = (3, 4)  # an input x 1e5 overflows fp16 in the forward: the loss and gradients inf/NaN
+BACKWARD_OVERFLOW_STEPS = (10,)  # a finite loss x 2^16: only the scaled gradients overflow fp16, in backward
+OVERFLOW_STEPS = FORWARD_OVERFLOW_STEPS + BACKWARD_OVERFLOW_STEPS
+STEPS = 14  # clean runs of 3, 5 and 3 steps: a run longer than 2 x GROWTH_INTERVAL tests the count's restart
+BACKWARD_OVERFLOW_FACTOR = 2.0**16
 MAX_NORM = 0.1  # below the true gradient norm of the first batch (about 0.3): clipping must engage
 CLIP_SCALE = 2.0**12
 
 
-def fp16_loss(model: torch.nn.Module, step: int, overflow: bool) -> torch.Tensor:
-    """Cross-entropy of batch `step` under fp16 autocast on the CPU; overflow multiplies the input by 1e5."""
+def fp16_loss(model: torch.nn.Module, step: int, overflow: bool, factor: float = 1.0) -> torch.Tensor:
+    """factor x cross-entropy of batch `step` under fp16 autocast on the CPU (a 0-dim fp32 tensor); overflow
+    multiplies the input by 1e5. A large factor keeps the loss finite while its scaled gradients overflow."""
     images, labels = toy_batch(seed=step)
     if overflow:
         images = images * 1e5
     with torch.amp.autocast(device_type="cpu", dtype=torch.float16):
-        return F.cross_entropy(model(images), labels)
+        return F.cross_entropy(model(images), labels) * factor
+
+
+def scaled_step_loss(model: torch.nn.Module, step: int) -> torch.Tensor:
+    """The loss check_scaled_step hands over at `step`: clean, overflowing in forward, or only in backward."""
+    factor = BACKWARD_OVERFLOW_FACTOR if step in BACKWARD_OVERFLOW_STEPS else 1.0
+    return fp16_loss(model, step, step in FORWARD_OVERFLOW_STEPS, factor)
 
 
 def _snapshot(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -64,7 +74,8 @@ def _overflow_verdict(step: int, stepped: bool, scale: float, expected: float) -
                 "finite.")
     if stepped:
         return (f"step {step}: not skipping on inf/NaN: the gradients held inf/NaN and optimizer.step() ran anyway. "
-                "Check every gradient with torch.isfinite; if any is not finite, skip the step and halve the scale.")
+                "Check every gradient (not the loss: a finite loss can still overflow in backward) with "
+                "torch.isfinite; if any is not finite, skip the step and halve the scale.")
     if scale != expected:
         return (f"step {step}: skipped the step but did not back off: the scale is {scale:g}, GradScaler's is "
                 f"{expected:g}. Multiply the scale by 0.5 at every overflow (and restart the clean-step count).")
@@ -78,7 +89,8 @@ def _scale_verdict(step: int, scale: float, expected: float) -> str | None:
                 "after every growth and every overflow.")
     if scale < expected:
         return (f"step {step}: the scale did not grow: yours is {scale:g}, GradScaler's {expected:g}. Double it after "
-                f"growth_interval ({GROWTH_INTERVAL}) clean steps in a row.")
+                f"growth_interval ({GROWTH_INTERVAL}) clean steps in a row, and restart the count from 0 after each "
+                "growth (a count left running past growth_interval never equals it again).")
     return None
 
 
@@ -87,7 +99,8 @@ def check_scaled_step(scaled_step: Callable) -> None:
 
     state: {"scale": float, "growth_interval": int, "clean_steps": int}, kept across calls. The same
     model trains twice from the same start, once with GradScaler and once with scaled_step, over
-    STEPS batches of which OVERFLOW_STEPS overflow fp16; after each step the parameters and the
+    STEPS batches of which OVERFLOW_STEPS overflow fp16 (in the forward at FORWARD_OVERFLOW_STEPS; at
+    BACKWARD_OVERFLOW_STEPS the loss is finite and only its scaled gradients overflow); after each step the parameters and the
     scale must equal GradScaler's (scales are powers of two, so unscaling is exact).
     """
     reference_model, model = small_model(), small_model()
@@ -99,11 +112,11 @@ def check_scaled_step(scaled_step: Callable) -> None:
         overflow = step in OVERFLOW_STEPS
         reference_before, before, scale_used = _snapshot(reference_model), _snapshot(model), scaler.get_scale()
         reference_optimizer.zero_grad(set_to_none=True)
-        scaler.scale(fp16_loss(reference_model, step, overflow)).backward()
+        scaler.scale(scaled_step_loss(reference_model, step)).backward()
         scaler.step(reference_optimizer)
         scaler.update()
         optimizer.zero_grad(set_to_none=True)
-        scaled_step(model, optimizer, fp16_loss(model, step, overflow), state)
+        scaled_step(model, optimizer, scaled_step_loss(model, step), state)
         verdict = _step_verdict(step, overflow, before, model, reference_before, reference_model, scale_used,
                                 float(state["scale"]), scaler.get_scale())
         if verdict:
@@ -133,6 +146,11 @@ def _clip_step(clip_after_unscale: Callable, model, optimizer, scaler, loss) -> 
         if "update()" in str(error) or "after step()" in str(error):  # GradScaler's stage checks
             raise ExerciseFailed(f"torch says \"{error}\": call scaler.update() at the end of every step, after "
                                  "scaler.step(optimizer).") from None
+        raise
+    except AssertionError as error:
+        if "_scale is None" in str(error):  # GradScaler was asked to unscale or step a loss it never scaled
+            raise ExerciseFailed("the loss was never scaled: GradScaler has no scale to undo. Start the step with "
+                                 "scaler.scale(loss).backward(), not loss.backward().") from None
         raise
 
 

@@ -29,6 +29,8 @@ def ring_mistakes(nbytes: float, n: int, link: AlphaBeta) -> dict[str, float]:
             (n - 1) * message,
         "each message carries the whole buffer: in a ring every step sends one chunk of nbytes/n.":
             2 * (n - 1) * link.time_s(nbytes),
+        "the latency term is missing: each of the 2(n-1) messages also pays alpha (link.alpha_s), not only "
+        "its bytes x beta.": 2 * (n - 1) * nbytes / n * link.beta_s_per_byte,
     }
 
 
@@ -77,6 +79,9 @@ def _tree_verdict(nbytes: float, n: int, link: AlphaBeta, got) -> str | None:
         return "half the tree's time: count the reduce up the tree AND the broadcast down it."
     if close(got, 2 * math.log2(n) * link.alpha_s + 2 * nbytes * link.beta_s_per_byte):
         return "log2 n hops is not a whole number: a tree's depth is ceil(log2 n)."
+    if close(got, 2 * math.floor(math.log2(n)) * link.alpha_s + 2 * nbytes * link.beta_s_per_byte):
+        return ("floor(log2 n) rounds are too few when n is not a power of two: each round at most halves the ranks "
+                "still holding a partial sum, so n ranks need ceil(log2 n) rounds (3 ranks: 2).")
     return f"tree: expected {expected:.6g} s, got {got!r}."
 
 
