@@ -11,12 +11,12 @@ from labsrc.exercises import collectives as checkers
 
 
 def make_ring(direction=1, reduce=(0, -1), gather=(1, 0), gather_phase=True, mean=False, receive_from=None,
-              timeout_s=30.0):
+              timeout_s=30.0, gather_adds=False, split="tensor_split"):
     """A hand-written ring with one planted mistake: the parameters that a correct ring leaves at their defaults."""
     def ring(tensor, rank, world_size):
         right = (rank + direction) % world_size
         left = receive_from(rank, world_size) if receive_from else (rank - direction) % world_size
-        chunks = tensor.view(-1).tensor_split(world_size)
+        chunks = getattr(tensor.view(-1), split)(world_size)
 
         def pass_on(outgoing, incoming):
             arrived = torch.empty_like(incoming)
@@ -30,7 +30,8 @@ def make_ring(direction=1, reduce=(0, -1), gather=(1, 0), gather_phase=True, mea
             incoming.add_(pass_on(chunks[(rank - step + reduce[0]) % world_size], incoming))
         for step in range(world_size - 1 if gather_phase else 0):
             incoming = chunks[(rank - step + gather[1]) % world_size]
-            incoming.copy_(pass_on(chunks[(rank - step + gather[0]) % world_size], incoming))
+            arrived = pass_on(chunks[(rank - step + gather[0]) % world_size], incoming)
+            incoming.add_(arrived) if gather_adds else incoming.copy_(arrived)
         if mean:
             tensor.div_(world_size)
     return ring
@@ -60,6 +61,8 @@ def returns_a_new_tensor(tensor, rank, world_size):
     (make_ring(reduce=(0, 0)), "off by one in the reduce-scatter"),
     (make_ring(gather=(0, 0)), "off by one in the all-gather"),
     (make_ring(mean=True), "divide instead of summing"),
+    (make_ring(gather_adds=True), "the all-gather adds what arrives"),
+    (make_ring(split="chunk"), "(?s)IndexError.*chunk\\(n\\) can give FEWER than n chunks"),
     (calls_all_reduce, "you called dist.all_reduce"),
     (returns_a_new_tensor, "unchanged"),
 ])
@@ -74,6 +77,19 @@ def test_a_ring_that_listens_to_the_wrong_side_fails_at_its_timeout_and_says_so(
     with pytest.raises(ExerciseFailed, match="receive from the neighbour that sends to it"):
         checkers.check_ring_all_reduce(wrong, world_sizes=(3,), timeout_s=30)
     assert time.perf_counter() - start < 25, "the learner's 2 s timeout should end the check, not the 30 s one"
+
+
+def sends_before_receiving(tensor, rank, world_size):
+    """Every rank calls a blocking send before its recv: with gloo nobody's receive is ever posted."""
+    outgoing, arrived = tensor.clone(), torch.empty_like(tensor)
+    dist.send(outgoing, (rank + 1) % world_size)
+    dist.recv(arrived, (rank - 1) % world_size)
+    tensor.add_(arrived)
+
+
+def test_a_ring_that_sends_before_it_receives_deadlocks_and_is_told_why():
+    with pytest.raises(ExerciseFailed, match="(?s)gave no result in 5 s.*blocking dist.send before its dist.recv"):
+        checkers.check_ring_all_reduce(sends_before_receiving, world_sizes=(2,), timeout_s=5)
 
 
 def test_simulated_ring_is_dist_all_reduce_and_its_mistakes_differ():
@@ -94,6 +110,8 @@ def test_predict_time_solution_passes(capsys):
     (lambda a, b, s, n: (n - 1) * (a + s / n * b), "2 phases"),
     (lambda a, b, s, n: 2 * (n - 1) * (a + s * b), "whole message"),
     (lambda a, b, s, n: a + 2 * (n - 1) / n * s * b, "pays alpha once"),
+    (lambda a, b, s, n: 2 * (n - 1) * a + 2 * s * b, "only the limit for large n"),
+    (lambda a, b, s, n: 2 * (n - 1) * a + (n - 1) / n * s * b, "both phases send"),
     (lambda a, b, s, n: a + s * b, "2\\(n-1\\) steps"),
     (lambda a, b, s, n: "fast", "return a number"),
 ])

@@ -111,6 +111,15 @@ def first_parameter_only(model):
     return mismatch.item() == 0
 
 
+def norms(model):
+    norms_here = torch.stack([p.detach().norm() for p in model.parameters()])
+    reference = norms_here.clone()
+    dist.broadcast(reference, src=0, async_op=True).wait(WAIT)
+    mismatch = torch.tensor([float(not torch.equal(norms_here, reference))])
+    _all_reduce(mismatch, dist.ReduceOp.MAX)
+    return mismatch.item() == 0
+
+
 def with_a_tolerance(model):
     flat = _flat(model)
     reference = flat.clone()
@@ -136,6 +145,7 @@ def checksums(model):
     (compared_locally_with_rank_zero, "the ranks disagree"),
     (first_parameter_only, "LAST parameter"),
     (checksums, "checksum"),
+    (norms, "its sum, norm or mean"),
     (with_a_tolerance, "compare exactly"),
 ])
 def test_parameters_in_sync_mistakes_are_named(wrong, named):

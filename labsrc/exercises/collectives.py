@@ -27,12 +27,13 @@ def ring_sizes(world_size: int) -> list[int]:
 
 
 def simulate_ring(inputs: list[torch.Tensor], direction: int = 1, offsets: dict | None = None,
-                  gather: bool = True, combine: str = "sum") -> list[torch.Tensor] | None:
+                  gather: bool = True, combine: str = "sum", gather_adds: bool = False) -> list[torch.Tensor] | None:
     """Every rank's (N,) tensor after a ring schedule run on inputs[r] (N,), without any communication.
 
     direction 1: send to rank + 1, receive from rank - 1 (-1 the other way round); offsets: the chunk
     indices relative to (r - s) of each phase; gather False stops after the reduce-scatter; combine
-    "mean" halves each addition. None where the schedule pairs chunks of different sizes (it would raise).
+    "mean" halves each addition; gather_adds adds in the all-gather instead of storing. None where the
+    schedule pairs chunks of different sizes (it would raise).
     """
     world_size, offsets = len(inputs), offsets or CORRECT_OFFSETS
     chunks = [list(tensor.clone().tensor_split(world_size)) for tensor in inputs]
@@ -46,7 +47,9 @@ def simulate_ring(inputs: list[torch.Tensor], direction: int = 1, offsets: dict 
                     (rank - direction) % world_size]
                 if target.shape != arriving.shape:
                     return None
-                if phase == "gather":
+                if phase == "gather" and gather_adds:
+                    target.add_(arriving)
+                elif phase == "gather":
                     target.copy_(arriving)
                 elif combine == "sum":
                     target.add_(arriving)
@@ -83,6 +86,9 @@ def diagnose_ring(inputs: list[torch.Tensor], rank: int, got: torch.Tensor) -> s
         return (f"the all-gather phase is missing: only chunk {(rank + 1) % world_size} holds the full sum on this "
                 "rank. After the n-1 reduce-scatter steps, run n-1 more steps that pass the finished chunks on "
                 "and store (copy_, not add_) what arrives.")
+    if _matches(simulate_ring(inputs, gather_adds=True), rank, got, expected):
+        return ("the all-gather adds what arrives: the chunks that arrive there are already complete sums, so "
+                "store them (chunk.copy_), do not add them to what the chunk held.")
     if _matches(simulate_ring(inputs, direction=-1), rank, got, expected):
         return ("wrong neighbour direction: you send to rank - 1 and receive from rank + 1, but your chunk "
                 "indices are those of a ring that sends to the right. Send to (rank + 1) % n and receive from "
@@ -132,6 +138,20 @@ def _ring_rank(ctx, ring_all_reduce: Callable) -> str | None:
     return None
 
 
+def _failure_hint(text: str) -> str:
+    """What to look at when the learner's ring raised (an exception) or hung (no result before the timeout)."""
+    if "IndexError" in text:
+        return ("An index out of range: tensor.chunk(n) can give FEWER than n chunks (2 elements on 3 ranks give "
+                "2 chunks); tensor.tensor_split(n) always gives n, some of them empty.")
+    hung = ("gave no result", "timed out", "connection closed", "connection reset")
+    if any(sign in text.lower() for sign in hung):  # a peer that timed out closes its connections too
+        return ("A rank waited for a message that never came: does every rank receive from the neighbour that "
+                "sends to it (send to (rank + 1) % n, receive from (rank - 1) % n)? Did every rank call a blocking "
+                "dist.send before its dist.recv? A gloo send waits for the matching receive, so that deadlocks "
+                "at any size: post both at once with dist.batch_isend_irecv, and bound every wait by a timeout.")
+    return "Your function raised: the traceback above shows where."
+
+
 def check_ring_all_reduce(ring_all_reduce: Callable, world_sizes=WORLD_SIZES, timeout_s: float = 60.0) -> None:
     """ring_all_reduce(tensor (N,) float32, rank, world_size) sums the tensor over ranks in place, from send/recv.
 
@@ -145,10 +165,7 @@ def check_ring_all_reduce(ring_all_reduce: Callable, world_sizes=WORLD_SIZES, ti
             text = str(failure)
             if text.startswith("rank ") or "you called dist.all_reduce" in text:
                 raise
-            raise ExerciseFailed(f"on {world_size} ranks: {text}\nA rank that waits for a message that never "
-                                 "comes times out: does every rank receive from the neighbour that sends to it "
-                                 "(send to (rank + 1) % n, receive from (rank - 1) % n), with every wait bounded "
-                                 "by a timeout?") from None
+            raise ExerciseFailed(f"on {world_size} ranks: {text}\n{_failure_hint(text)}") from None
     passed(f"the ring equals dist.all_reduce on {', '.join(map(str, world_sizes))} ranks, for sizes n divides "
            "and sizes it does not")
 
@@ -161,6 +178,8 @@ PREDICTION_MISTAKES = {
     "forgets one of the 2 phases": lambda a, b, s, n: (n - 1) * (a + s / n * b),
     "sends the whole message at every step": lambda a, b, s, n: 2 * (n - 1) * (a + s * b),
     "pays alpha once": lambda a, b, s, n: a + 2 * (n - 1) / n * s * b,
+    "sends 2 x nbytes": lambda a, b, s, n: 2 * (n - 1) * a + 2 * s * b,
+    "counts the bytes of one phase": lambda a, b, s, n: 2 * (n - 1) * a + (n - 1) / n * s * b,
 }
 PREDICTION_HINTS = {
     "n instead of n-1": "a ring of n ranks takes n-1 steps per phase, not n: 2(n-1) messages in all.",
@@ -168,6 +187,10 @@ PREDICTION_HINTS = {
                                    "all-gather's n-1 steps, 2(n-1) in all.",
     "sends the whole message at every step": "each step sends one chunk, nbytes / n, not the whole message.",
     "pays alpha once": "every one of the 2(n-1) steps is a message, and every message pays alpha.",
+    "sends 2 x nbytes": "2 x nbytes is only the limit for large n: each rank sends 2(n-1) chunks of nbytes / n, "
+                        "2(n-1)/n x nbytes.",
+    "counts the bytes of one phase": "both phases send: n-1 chunks of nbytes / n in the reduce-scatter and n-1 "
+                                     "more in the all-gather.",
 }
 
 

@@ -112,8 +112,8 @@ SYNC_MISSED = {
                        "parameter, not only some"),
     "one ulp": ("a drift of one float32 step (torch.nextafter) in 0.weight was missed: DDP keeps parameters "
                 "bit-for-bit identical, so compare exactly (torch.equal or ==), not with allclose or a tolerance"),
-    "swapped": ("two values swapped inside 2.bias on the last rank were missed: a sum (checksum) of a parameter "
-                "cannot see that; compare the values element by element"),
+    "swapped": ("two values swapped inside 2.bias on the last rank were missed: a summary of a parameter (its sum, "
+                "norm or mean: a checksum) cannot see that; compare the values element by element"),
 }
 
 
