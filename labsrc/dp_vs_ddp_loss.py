@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import datetime
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +60,7 @@ def count_weighted_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.
     averages is sum over all ranks' tokens / global count: the full-batch masked mean.
     """
     total = mask.sum().detach().clone()
-    dist.all_reduce(total)
+    dist.all_reduce(total, async_op=True).wait(datetime.timedelta(seconds=60))
     return (F.cross_entropy(logits, labels, reduction="none") * mask).sum() * world_size / total
 
 
