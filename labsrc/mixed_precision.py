@@ -181,7 +181,18 @@ def clipping_with_and_without_unscale(max_norm: float = 0.1, scale: float = 2.0*
         norms["with unscale_" if unscale_first else "without unscale_"] = {
             "norm_seen_by_clip": seen, "norm_applied": applied}
     norms["scale"], norms["max_norm"] = scale, max_norm
+    norms["true_norm"] = _unscaled_gradient_norm(device)
     return norms
+
+
+def _unscaled_gradient_norm(device) -> float:
+    """The gradient norm of the same model and batch with no GradScaler at all: what clipping should see."""
+    model = small_model().to(device)
+    images, labels = toy_batch(device=device)
+    with torch.amp.autocast(device_type=device.type, dtype=torch.float16):
+        loss = F.cross_entropy(model(images), labels)
+    loss.backward()
+    return torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.parameters()])).item()
 
 
 def tf32_settings() -> dict[str, object]:
