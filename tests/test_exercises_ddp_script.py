@@ -48,6 +48,9 @@ NO_DDP = [("        model = DistributedDataParallel(model, device_ids=[device.in
           ("torch.save(model.module.state_dict(), path)", "torch.save(model.state_dict(), path)"),
           ("model.module.load_state_dict(state)", "model.load_state_dict(state)")]
 
+CPU_DEVICE_IDS = ("device_ids=[device.index] if device.type == \"cuda\" else None",
+                  "device_ids=[int(os.environ[\"LOCAL_RANK\"])]")
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("edits, named", [
@@ -57,7 +60,8 @@ NO_DDP = [("        model = DistributedDataParallel(model, device_ids=[device.in
     ([NO_BARRIER, SLOW_DISK], "rank 1 could not read the checkpoint.*dist.barrier"),
     ([NO_SET_EPOCH], "set_epoch"),
     (NO_DDP, "parameters differ.*did not wrap the model in DistributedDataParallel"),
-], ids=["no-sampler", "no-all-reduce", "every-rank-saves", "no-barrier", "no-set-epoch", "no-ddp"])
+    ([CPU_DEVICE_IDS], "DDP refused device_ids: for a model on the CPU it must be None"),
+], ids=["no-sampler", "no-all-reduce", "every-rank-saves", "no-barrier", "no-set-epoch", "no-ddp", "cpu-device-ids"])
 def test_each_planted_mistake_is_named(tmp_path, edits, named):
     with pytest.raises(ExerciseFailed, match=named):
         checker.check_ddp_script(planted(tmp_path, *edits), world_size=2)

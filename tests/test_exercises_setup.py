@@ -57,6 +57,19 @@ def divides_by_two(tensor):
     return total / 2
 
 
+def divides_before_the_sum_arrives(tensor):
+    total = tensor.clone()
+    mean = total / dist.get_world_size()  # read before the all_reduce has written the sum (as without .wait())
+    dist.all_reduce(total, async_op=True).wait(WAIT)
+    return mean
+
+
+def averages_the_elements(tensor):
+    total = tensor.clone()
+    dist.all_reduce(total, async_op=True).wait(WAIT)
+    return (total / dist.get_world_size()).mean()
+
+
 @pytest.mark.parametrize("wrong, named", [
     (no_division, "on 2 ranks: no division"),
     (reduce_to_rank_zero, "only rank 0 holds the result.*use dist.all_reduce"),
@@ -65,6 +78,8 @@ def divides_by_two(tensor):
     (reduces_the_callers_tensor, "changed the caller's tensor"),
     (returns_the_original, "returned its own values unchanged"),
     (divides_by_two, "on 3 ranks: you divided by 2, but this run has 3 ranks"),
+    (divides_before_the_sum_arrives, r"rank\(s\) \[0, 1\] returned their own tensor divided.*\.wait"),
+    (averages_the_elements, r"you returned shape \(\), not \(2, 3\).*element by element"),
 ])
 def test_mean_over_ranks_mistakes_are_named(wrong, named):
     with pytest.raises(ExerciseFailed, match=named):

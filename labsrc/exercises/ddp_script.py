@@ -109,6 +109,9 @@ def failure_hint(error: LaunchError) -> str:
     hint = "the script failed; the traceback says where."
     if first and first["type"] == "NotImplementedError":
         hint = "your script still has a TODO that raises NotImplementedError: write that part."
+    elif first and first["type"] == "ValueError" and "device_ids" in first.get("message", ""):
+        hint = ("DDP refused device_ids: for a model on the CPU it must be None; device_ids=[local_rank] is for a "
+                "model on one GPU (device_ids=[device.index] if device.type == 'cuda' else None).")
     elif first and first["rank"] != 0 and first["type"] in ("FileNotFoundError", "EOFError", "UnpicklingError"):
         hint = (f"rank {first['rank']} could not read the checkpoint ({first['type']}): it read before rank 0 had "
                 "finished writing it. Put dist.barrier() between rank 0's torch.save and every rank's torch.load.")

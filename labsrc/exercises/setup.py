@@ -18,7 +18,7 @@ def rank_input(rank: int) -> torch.Tensor:
 
 
 def classify(got, rank: int, world_size: int) -> str:
-    """What one rank's returned value is: mean, sum, sum/k (k a fixed divisor), own, none, shape or other."""
+    """What one rank's returned value is: mean, sum, sum/k (k a fixed divisor), own, own/n, none, shape or other."""
     inputs = [rank_input(r) for r in range(world_size)]
     total = torch.stack(inputs).sum(0)
     if got is None:
@@ -37,6 +37,8 @@ def classify(got, rank: int, world_size: int) -> str:
             return f"divided by {divisor}"
     if torch.allclose(got, inputs[rank]):
         return "own"
+    if torch.allclose(got, inputs[rank] / world_size):
+        return "own divided"
     return "other"
 
 
@@ -60,6 +62,12 @@ def verdict(every: list[dict], world_size: int) -> str | None:
                 "it writes the result into the tensor you pass. All-reduce a copy (tensor.clone()) and return it.")
     if kinds == ["mean"] * world_size:
         return None
+    unfinished = [rank for rank, kind in enumerate(kinds) if kind == "own divided"]
+    if unfinished:
+        return (f"rank(s) {unfinished} returned their own tensor divided by the world size: the other ranks' values "
+                "had not arrived when you read it. With async_op=True the all_reduce runs in the background: call "
+                ".wait(timeout) on the handle it returns before you divide (and use dist.all_reduce: dist.reduce "
+                "delivers to one rank only).")
     if kinds[0] in ("mean", "sum") and any(kind != kinds[0] for kind in kinds[1:]):
         return (f"only rank 0 holds the result (the other ranks returned: {kinds[1:]}): dist.reduce delivers to "
                 "one rank (dst) only. Every rank needs the mean: use dist.all_reduce.")
@@ -79,6 +87,9 @@ def verdict(every: list[dict], world_size: int) -> str | None:
     if set(kinds) == {"own"}:
         return ("every rank returned its own values unchanged: the all_reduce's result never reached what you "
                 "returned (did you reduce a copy and return the original?).")
+    if all(kind.startswith("shape") for kind in kinds):
+        return (f"you returned shape {kinds[0][6:]}, not {SHAPE}: the mean over ranks is element by element, "
+                "one value per element of the input (do not average the elements themselves, e.g. with .mean()).")
     return f"expected every rank to return the mean, shape {SHAPE}, float32; the ranks returned: {kinds}."
 
 
