@@ -65,3 +65,18 @@ CPU_DEVICE_IDS = ("device_ids=[device.index] if device.type == \"cuda\" else Non
 def test_each_planted_mistake_is_named(tmp_path, edits, named):
     with pytest.raises(ExerciseFailed, match=named):
         checker.check_ddp_script(planted(tmp_path, *edits), world_size=2)
+
+
+def given_part(lines: list[str]) -> list[str]:
+    """The lines between the "# ---- given" and "# ---- the distributed part" banners of a DDP script."""
+    start = next(index for index, line in enumerate(lines) if line.startswith("# ---- given"))
+    end = next(index for index, line in enumerate(lines) if line.startswith("# ---- the distributed part"))
+    return lines[start + 1:end]
+
+
+def test_the_learners_file_gives_the_solutions_helpers_unchanged():
+    """The helpers given to the learner in notebooks/your_ddp_script.py are the reference's, line for line."""
+    template = (Path(__file__).resolve().parents[1] / "notebooks" / "your_ddp_script.py").read_text().splitlines()
+    given = given_part(template)
+    assert len(given) > 50 and given == given_part(SOLUTION.read_text().splitlines()), \
+        "the helpers given to the learner drifted from solutions/ddp_script.py: copy the changed lines over"
