@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from labsrc.core.launch import (Launch, LaunchError, LaunchTimeout, RankFailed, RunResult,  # noqa: F401
                                 end_run, processes_of_run, run, start)
@@ -37,6 +39,10 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """The shell launcher; returns its exit status (2 for any bad request, before anything starts)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # SIGINT ends the run (Ctrl-C, kill -INT) even when a parent left it ignored, as a shell does for a command
+    # started in the background: Python then keeps SIG_IGN, and the launcher would never hear the interrupt.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     target_args: list[str] = []
     if "--" in argv:
         split = argv.index("--")

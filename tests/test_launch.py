@@ -133,7 +133,9 @@ def test_sigint_to_the_shell_launcher_leaves_no_process(runs):
                "setup", "--", "--hold-s", "60"]
     output = runs.parent / "launcher-output.txt"
     with open(output, "wb") as sink:
-        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
+        # started as a shell starts a background job: SIGINT ignored, which the launcher must undo
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     run_dir = wait_for_progress(runs, "setup", ranks=2)
     assert run_dir is not None, "the run never started"
     proc.send_signal(signal.SIGINT)
