@@ -177,12 +177,17 @@ def clipping_with_and_without_unscale(max_norm: float = 0.1, scale: float = 2.0*
         seen = nn.utils.clip_grad_norm_(model.parameters(), max_norm).item()
         scaler.step(optimizer)  # unscales here if unscale_ was not called: the clipped gradient / scale
         scaler.update()
-        applied = torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.parameters()])).item()
+        applied = gradient_norm(model)
         norms["with unscale_" if unscale_first else "without unscale_"] = {
             "norm_seen_by_clip": seen, "norm_applied": applied}
     norms["scale"], norms["max_norm"] = scale, max_norm
     norms["true_norm"] = _unscaled_gradient_norm(device)
     return norms
+
+
+def gradient_norm(model: nn.Module) -> float:
+    """The 2-norm of all of model's .grad together, as clip_grad_norm_ measures it."""
+    return torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.parameters()])).item()
 
 
 def _unscaled_gradient_norm(device) -> float:
@@ -192,7 +197,7 @@ def _unscaled_gradient_norm(device) -> float:
     with torch.amp.autocast(device_type=device.type, dtype=torch.float16):
         loss = F.cross_entropy(model(images), labels)
     loss.backward()
-    return torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.parameters()])).item()
+    return gradient_norm(model)
 
 
 def tf32_settings() -> dict[str, object]:

@@ -7,7 +7,7 @@ import torch
 from torch.nn import functional as F
 
 from labsrc.core.exercises import ExerciseFailed, passed
-from labsrc.mixed_precision import small_model, toy_batch
+from labsrc.mixed_precision import gradient_norm, small_model, toy_batch
 
 INIT_SCALE = 2.0**8
 GROWTH_INTERVAL = 2
@@ -183,7 +183,7 @@ def check_clip_after_unscale(clip_after_unscale: Callable) -> None:
 def _true_norm() -> float:
     model = small_model()
     fp16_loss(model, 0, overflow=False).backward()
-    return torch.linalg.vector_norm(torch.cat([p.grad.reshape(-1) for p in model.parameters()])).item()
+    return gradient_norm(model)
 
 
 def _clip_verdict(applied: float, true_norm: float) -> str | None:
