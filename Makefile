@@ -8,9 +8,15 @@ NOTEBOOK_TIMEOUT ?= 300
 .PHONY: setup lab format-notebooks reset-notebooks test test-unit test-notebooks slides slides-figures doctor bench clean \
 	tensorflow test-tensorflow deepspeed test-deepspeed
 
-# Reinstalls only when the pinned requirements or the package metadata change.
+# Reinstalls only when the pinned requirements or the package metadata change. CPU_ONLY=1 (on a new .venv) takes
+# torch and torchvision at requirements.txt's pins from PyTorch's CPU index first: no CUDA libraries (see README).
+CPU_ONLY ?=
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_PINS = $(shell grep -E '^torch(vision)?==' requirements.txt)
+
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(if $(filter 1,$(CPU_ONLY)),$(PYTHON) -m pip install -q $(TORCH_PINS) --index-url $(TORCH_CPU_INDEX))
 	$(PYTHON) -m pip install -q -r requirements.txt
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PYTHON) -m ipykernel install --sys-prefix --name labsrc --display-name "Python (labsrc course)" >/dev/null
@@ -40,9 +46,10 @@ lab: setup
 	@echo "then open the http://127.0.0.1:$(LAB_PORT)/lab/tree/README.md?token=... address Jupyter prints below."
 	$(VENV)/bin/jupyter lab $(LAB_FLAGS) --ip=127.0.0.1 --port=$(LAB_PORT) $(LAB_ROOT_FLAG) $(LAB_BROWSER_FLAG)
 
-# Stores every notebook as JupyterLab saves it with the course's kernel (tests/test_notebook_format.py checks).
+# Stores every notebook as JupyterLab saves it with the course's kernel (tests/test_notebook_format.py checks);
+# PYTHON_VERSION=3.12.3 stamps a class server's own Python instead of the course's 3.11.7 (see README).
 format-notebooks: setup
-	$(PYTHON) -m labsrc.core.notebook_format
+	$(PYTHON) -m labsrc.core.notebook_format $(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION))
 
 # The course's notebooks back as committed; each changed one is first copied to saved_work/<date>-<time>/.
 reset-notebooks: setup
