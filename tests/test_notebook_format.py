@@ -39,6 +39,7 @@ def test_notebook_names_the_kernel_the_page_would_set(path):
     assert (notebook.nbformat, notebook.nbformat_minor) == (4, 5)
     for cell in notebook.cells:
         assert cell.get("id"), f"{path.name}: a cell without an id"
+        assert "execution" not in cell.metadata, f"{path.name}: run timings committed"
         if cell.cell_type == "code":
             assert cell.outputs == [] and cell.execution_count is None, f"{path.name}: outputs committed"
 
@@ -55,17 +56,21 @@ def test_kernels_are_the_ones_make_installs():
                          makefile), kernel
 
 
-def test_normalize_is_idempotent_and_drops_what_the_page_would_not_keep():
+@pytest.mark.filterwarnings("ignore::nbformat.warnings.MissingIDFieldWarning")
+def test_normalize_is_idempotent_and_drops_what_a_run_left():
     messy = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3"}})
     code = nbformat.v4.new_code_cell("print(1)\nprint(2)", execution_count=3,
                                      outputs=[nbformat.v4.new_output("stream", text="1\n")])
     del code["id"]
+    code.metadata["execution"] = {"iopub.status.busy": "2026-01-01T00:00:00Z"}
+    code.metadata["tags"] = ["kept"]
     messy.cells = [nbformat.v4.new_markdown_cell("# title"), code]
     once = notebook_format.normalize(nbformat.writes(messy))
     assert notebook_format.normalize(once.decode()) == once
     notebook = nbformat.reads(once.decode(), as_version=4)
     assert notebook.metadata.kernelspec == notebook_format.COURSE_KERNEL and notebook.cells[1].outputs == []
     assert notebook.cells[1].id and notebook.cells[1].execution_count is None
+    assert notebook.cells[1].metadata == {"tags": ["kept"]}
     assert once.endswith(b"}\n") and b'\n "cells": [\n  {\n' in once
 
 

@@ -51,9 +51,9 @@ def save_bytes(notebook: nbformat.NotebookNode) -> bytes:
 
 
 def normalize(text: str, kernel: dict = COURSE_KERNEL, python_version: str = COURSE_PYTHON) -> bytes:
-    """A notebook as JupyterLab saves it untouched with ``kernel``: no outputs, no execution counts, cell ids kept.
+    """A notebook as JupyterLab saves it untouched with ``kernel``: no outputs, execution counts or run timings.
 
-    Notebook metadata other than the kernel's two keys is kept; a cell without an id gets one (as JupyterLab does).
+    Other metadata is kept (notebook's and cells'); a cell without an id gets one (as JupyterLab does).
     """
     notebook = nbformat.reads(text, as_version=4)
     if (notebook.nbformat, notebook.nbformat_minor) < (4, 5):
@@ -63,6 +63,7 @@ def normalize(text: str, kernel: dict = COURSE_KERNEL, python_version: str = COU
     for cell in notebook.cells:
         if "id" not in cell:
             cell["id"] = uuid.uuid4().hex[:8]
+        cell.metadata.pop("execution", None)  # run timings nbclient (and JupyterLab's recordTiming) write
         if cell.cell_type == "code":
             cell.outputs = []
             cell.execution_count = None
