@@ -1,4 +1,4 @@
-"""Every relative link in the course's Markdown and notebooks reaches a file that exists (and a heading, for
+"""Every relative link in the course's Markdown and notebooks reaches a file that exists (and its anchor, for
 ``#anchor``), so it resolves both in JupyterLab served from the repository root (``make lab``) and on a rendered page."""
 import json
 import re
@@ -32,14 +32,19 @@ def links(text: str) -> list[str]:
 
 
 def slug(heading: str) -> str:
-    """GitHub's anchor for a heading (JupyterLab's Markdown viewer finds the same one, checked in Chromium)."""
-    text = re.sub(r"[^\w\- ]", "", INLINE_CODE.sub(lambda code: code.group(0).strip("`"), heading).lower())
-    return text.replace(" ", "-")
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    text = re.sub(r"<[^>]+>", "", INLINE_CODE.sub(lambda code: code.group(0).strip("`"), heading))
+    return re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
 
 
 def anchors(path: Path) -> set[str]:
-    text = FENCE.sub("", markdown_of(path))
-    return {slug(match) for match in re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", text, re.M)}
+    """The explicit anchors (<a id="...">) of a page: JupyterLab's Markdown viewer scrolls to those, not to
+    GitHub's lower-case heading slugs (its heading ids keep the capitals: "Bus-bandwidth"), checked in Chromium."""
+    return set(re.findall(r"<a\s+(?:id|name)=\"([^\"]+)\"", FENCE.sub("", markdown_of(path))))
+
+
+def headings(path: Path) -> list[str]:
+    return re.findall(r"^#{1,6}\s+(.+?)\s*#*\s*$", FENCE.sub("", markdown_of(path)), re.M)
 
 
 SOURCES = [*tracked("*.md"), *tracked("*.ipynb")]
@@ -70,10 +75,18 @@ def test_relative_links_reach_a_file_and_its_heading(source):
     assert not broken, f"{source.relative_to(ROOT)}:\n" + "\n".join(broken)
 
 
+def test_every_glossary_term_carries_its_anchor():
+    """A link to any term works in JupyterLab and on GitHub: each heading holds <a id="its GitHub slug">."""
+    page = ROOT / "docs" / "glossary.md"
+    missing = [text for text in headings(page) if f'<a id="{slug(text)}"></a>' not in text]
+    assert len(headings(page)) > 50 and not missing, missing
+
+
 def test_slug_matches_githubs_rule():
     assert slug("Bus bandwidth") == "bus-bandwidth"
     assert slug("`no_sync`") == "no_sync" and slug("All-reduce") == "all-reduce"
     assert slug("DistributedSampler (notebook 03)") == "distributedsampler-notebook-03"
+    assert slug('<a id="rank"></a>Rank') == "rank"
 
 
 def test_a_broken_link_is_caught(tmp_path):
