@@ -5,12 +5,18 @@ PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-installed
 NOTEBOOK_TIMEOUT ?= 300
 
-.PHONY: setup lab test test-unit test-notebooks slides slides-figures doctor bench clean \
+.PHONY: setup lab format-notebooks reset-notebooks test test-unit test-notebooks slides slides-figures doctor bench clean \
 	tensorflow test-tensorflow deepspeed test-deepspeed
 
-# Reinstalls only when the pinned requirements or the package metadata change.
+# Reinstalls only when the pinned requirements or the package metadata change. CPU_ONLY=1 (on a new .venv) takes
+# torch and torchvision at requirements.txt's pins from PyTorch's CPU index first: no CUDA libraries (see README).
+CPU_ONLY ?=
+TORCH_CPU_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_PINS = $(shell grep -E '^torch(vision)?==' requirements.txt)
+
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PYTHON) || $(PY) -m venv $(VENV)
+	$(if $(filter 1,$(CPU_ONLY)),$(PYTHON) -m pip install -q $(TORCH_PINS) --index-url $(TORCH_CPU_INDEX))
 	$(PYTHON) -m pip install -q -r requirements.txt
 	$(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .
 	$(PYTHON) -m ipykernel install --sys-prefix --name labsrc --display-name "Python (labsrc course)" >/dev/null
@@ -25,12 +31,29 @@ LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root)
 LAB_HEADLESS := $(or $(SSH_CONNECTION),$(if $(or $(DISPLAY),$(WAYLAND_DISPLAY),$(filter Darwin,$(shell uname -s))),,yes))
 LAB_BROWSER_FLAG := $(if $(LAB_HEADLESS),--no-browser)
 
+# The repository root is served (the notebooks' links reach docs/, labsrc/, solutions/ and runs/) and the README
+# opens first, rendered; jupyter/settings/ turns off the news pop-up; only the course's kernels are offered (the
+# venv's own "python3" is the same interpreter under another name).
+LAB_FLAGS := --ServerApp.root_dir="$(CURDIR)" --LabApp.default_url=/lab/tree/README.md \
+	--LabApp.app_settings_dir="$(CURDIR)/jupyter/settings" \
+	--KernelSpecManager.allowed_kernelspecs=labsrc --KernelSpecManager.allowed_kernelspecs=labsrc-tf \
+	--MappingKernelManager.default_kernel_name=labsrc
+
 lab: setup
 	$(PYTHON) -m labsrc.doctor || true
 	@echo "JupyterLab listens on 127.0.0.1:$(LAB_PORT) (LAB_PORT=... to change it; if taken, Jupyter picks the next free port)."
 	@echo "On a remote server, run on your own computer:  ssh -N -L $(LAB_PORT):127.0.0.1:$(LAB_PORT) $${USER:-you}@$$(hostname -f 2>/dev/null || hostname)"
-	@echo "then open the http://127.0.0.1:$(LAB_PORT)/lab?token=... address Jupyter prints below."
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks --ip=127.0.0.1 --port=$(LAB_PORT) $(LAB_ROOT_FLAG) $(LAB_BROWSER_FLAG)
+	@echo "then open the http://127.0.0.1:$(LAB_PORT)/lab/tree/README.md?token=... address Jupyter prints below."
+	$(VENV)/bin/jupyter lab $(LAB_FLAGS) --ip=127.0.0.1 --port=$(LAB_PORT) $(LAB_ROOT_FLAG) $(LAB_BROWSER_FLAG)
+
+# Stores every notebook as JupyterLab saves it with the course's kernel (tests/test_notebook_format.py checks);
+# PYTHON_VERSION=3.12.3 stamps a class server's own Python instead of the course's 3.11.7 (see README).
+format-notebooks: setup
+	$(PYTHON) -m labsrc.core.notebook_format $(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION))
+
+# The course's notebooks back as committed; each changed one is first copied to saved_work/<date>-<time>/.
+reset-notebooks: setup
+	$(PYTHON) -m labsrc.core.notebook_reset
 
 test: setup
 	LABSRC_PROFILE=ci LABSRC_HEADLESS=1 MPLBACKEND=Agg $(PYTHON) -m pytest tests notebooks \

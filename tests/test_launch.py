@@ -1,4 +1,5 @@
 """The launcher: scripts, modules and labs; restarts and simulated nodes; readable failures; nothing left behind."""
+import os
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from labsrc import launch
+from labsrc.core.launch import timeout_advice
 from labsrc.core.launch_request import course_labs
 from labsrc.core.world import RequestError
 
@@ -126,6 +128,17 @@ def test_timeout_ends_every_process(runs):
     assert launch.processes_of_run(result.run_dir.name, None) == []
     steps = [r["step"] for r in result.of_kind("progress")]
     assert steps, "the records written before the timeout were lost"
+    advice = timeout_advice(dict(os.environ))  # the profile the ranks ran in (this test process's)
+    assert advice in str(caught.value)
+
+
+def test_timeout_advice_suggests_a_smaller_profile_only_when_there_is_one():
+    in_ci = timeout_advice({"LABSRC_PROFILE": "ci"})
+    assert "smallest profile already" in in_ci and "run the smallest profile" not in in_ci
+    for name in ("cpu", "gpu"):
+        advice = timeout_advice({"LABSRC_PROFILE": name})
+        assert "run the smallest profile: LABSRC_PROFILE=ci" in advice and f"now {name}" in advice
+    assert "longer timeout" in timeout_advice({"LABSRC_PROFILE": "nonsense"})
 
 
 def test_sigint_to_the_shell_launcher_leaves_no_process(runs):

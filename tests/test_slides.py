@@ -88,7 +88,8 @@ class Browser:
         self.process = subprocess.Popen(
             [executable, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
              "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={profile}", "--remote-debugging-port=0", f"--window-size={width},{height}",
+             f"--user-data-dir={profile}", "--remote-debugging-port=0", "--remote-allow-origins=*",
+             f"--window-size={width},{height}",
              "about:blank"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         port_file, deadline = profile / "DevToolsActivePort", time.monotonic() + 30
         while not port_file.exists() or not port_file.read_text().strip():

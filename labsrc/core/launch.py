@@ -79,6 +79,20 @@ def lab_options_argv(module: str, options: dict, world_size: int) -> list[str]:
     return checked.to_argv()
 
 
+def timeout_advice(env: dict) -> str:
+    """What may help after a timeout, for the profile the ranks ran in: a smaller one only if there is one."""
+    from labsrc.core.profiles import PROFILE_ENV, ProfileError, pick_profile
+    try:
+        profile, reason = pick_profile(env)
+    except ProfileError:
+        return "Give it a longer timeout (timeout=..., in seconds)."
+    if profile.name == "ci":
+        return (f"It ran in the smallest profile already (ci: {reason}): give it a longer timeout (timeout=..., "
+                f"in seconds), all the more on a busy machine, or look at its last lines for a rank that waits.")
+    return (f"Give it a longer timeout (timeout=..., in seconds), or run the smallest profile: {PROFILE_ENV}=ci "
+            f"(now {profile.name}: {reason}).")
+
+
 class Launch:
     """A started run: one torchrun agent per simulated node. `wait()` returns its RunResult; `end_node(i)` loses one."""
 
@@ -188,8 +202,8 @@ class Launch:
         if timed_out:
             error = LaunchTimeout(
                 f"{result.lab} ran past its {self.timeout:g} s timeout and all its processes were ended. What "
-                f"the ranks recorded so far is in {self.run_dir}. Give it a longer timeout, or use a smaller "
-                f"profile (LABSRC_PROFILE=ci).\nfull log: {self.log_path}", result)
+                f"the ranks recorded so far is in {self.run_dir}. {timeout_advice(self.env)}\n"
+                f"full log: {self.log_path}", result)
             if self.check:
                 raise error
             result.returncode = result.returncode or -signal.SIGTERM

@@ -27,6 +27,9 @@ def loss_curves(result, axes=None):
     normed[alone] = single[True]
     curves(normed, "BatchNorm: global statistics close the gap", "step", "training loss", ax=axes[1],
            styles=dict(zip(normed, [{"marker": "x"}, wide, dashed])))
+    for ax in axes:  # below the axes, not on them: the curves run through every corner
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), frameon=False)
+    axes[0].figure.tight_layout()
     return axes
 
 

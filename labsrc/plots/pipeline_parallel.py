@@ -33,7 +33,9 @@ def show_schedules(pairs: dict[str, tuple[list, list]], box_s: float):
     for row, (name, (measured, ideal)) in enumerate(pairs.items()):
         gantt(measured, f"{name}: measured", axes[row][0])
         gantt(ideal, f"{name}: ideal (boxes of {box_s * 1000:g} ms, free messages)", axes[row][1])
-    axes[0][1].legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()], loc="upper right")
+    # beside the axes, not on them: a Gantt chart has boxes in every corner
+    keys = [Patch(color=COLOURS["F"], label="F: forward"), Patch(color=COLOURS["B"], label="B: backward")]
+    axes[0][1].legend(handles=keys, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     figure.tight_layout()
     return figure
 
