@@ -153,6 +153,10 @@ def test_lab_writes_typed_records_that_read_back(tmp_path):
     assert [s.mode for s in result.of(SkippedMode, rank=1)] == ["tf32"]
     steps = result.of(AmpStep)
     assert [s.step for s in steps] == [0, 1, 2] * 2 and all(s.parameter_spread == 0.0 for s in steps)
+    assert all(s.allreduce_syncs == 1 for s in steps), "no_sync on all but the last micro-batch: one all-reduce per step"
+    assert all(s.allreduced_bytes == s.gradient_bytes > 0 for s in steps), "every gradient byte once per step"
+    assert all(s.gradient_gap is not None and s.gradient_gap < 1e-2 for s in steps), \
+        "the accumulated gradient (each micro-loss / k) is the mean of the micro-batches' gradients"
     assert {b.mode for b in result.of(GradientBytes, rank=0)} == set(mixed_precision_ddp.MESSAGE_MODES)
     for mine, theirs in zip(result.of(AmpStep, rank=0), result.of(AmpStep, rank=1)):
         assert mine.mean_loss == theirs.mean_loss == pytest.approx((mine.loss + theirs.loss) / 2)
