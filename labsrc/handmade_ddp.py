@@ -146,8 +146,10 @@ class ArrivalOrderDDP(BucketedDDP):
     """The mistake index order prevents: each bucket's all-reduce launched the moment the bucket fills.
 
     Where ranks fill their buckets in different orders, rank 0's first all-reduce carries one bucket and rank
-    1's another: a collective pairs whatever each rank hands it, so the sums mix different parameters (equal
-    sizes) or the ranks wait on each other (different sizes) until the process group's timeout.
+    1's another: a collective pairs whatever each rank hands it. Equal sizes: the sums mix different parameters,
+    silently. Different sizes on gloo: the rank that receives more than it expects aborts ("Received data size
+    doesn't match expected size. Is there a distributed collective mismatch in your code?") and the other
+    waits until its timeout.
     """
 
     def _launch_full_buckets(self, filled: int) -> None:
