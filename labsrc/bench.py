@@ -72,6 +72,7 @@ def run_benchmark(ctx, options) -> dict:
     images, labels = next(batches)
     images, labels = images.to(ctx.device, memory_format=memory_format), labels.to(ctx.device)
     flops = benchmark.count_flops(plain, images, labels, options.precision)
+    forward_flops = benchmark.count_forward_flops(plain, images, labels, options.precision)
     ddp = DDP(plain) if ctx.distributed and (ctx.world_size > 1 or options.ddp) else None
     # Compiled after DDP wraps the model, as PyTorch recommends: Dynamo then splits the graph at DDP's bucket
     # boundaries so the all-reduces still overlap backward. The trial call runs the timed shape.
@@ -88,7 +89,8 @@ def run_benchmark(ctx, options) -> dict:
     return {"config": config, "world_size": ctx.world_size, "ddp": ddp is not None,
             "communication_method": benchmark.COMMUNICATION_METHOD, "compiled": compiled, "compile_reason": reason,
             "images_per_s": options.batch_size * ctx.world_size / split["step_s"], "split": split, "steps": rows,
-            "flops_per_step_per_rank": flops, "gradient_bytes": gradient_bytes(plain),
+            "flops_per_step_per_rank": flops, "forward_flops_per_step_per_rank": forward_flops,
+            "gradient_bytes": gradient_bytes(plain),
             "achieved_tflops_per_rank": achieved / 1e12,
             "peak_tflops": peak, "mfu": achieved / (peak * 1e12) if peak else None,
             **benchmark.peak_memory(ctx.device), "provenance": benchmark.provenance(ctx.device)}

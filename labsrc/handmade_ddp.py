@@ -1,6 +1,7 @@
 """DDP written by hand: (a) all-reduce every gradient after backward; (b) buckets all-reduced from gradient hooks during backward."""
 from __future__ import annotations
 
+import copy
 import time
 from typing import NamedTuple
 
@@ -108,11 +109,19 @@ class BucketedDDP(nn.Module):
             self.events.append(ScheduleEvent("hook", index, time.perf_counter()))
             bucket = self.bucket_of[index]
             self.ready[bucket] += 1
-            while (self.next_bucket < len(self.buckets)
-                   and self.ready[self.next_bucket] == len(self.buckets[self.next_bucket])):
-                self._launch(self.next_bucket)
-                self.next_bucket += 1
+            self._launch_full_buckets(bucket)
         return hook
+
+    def _launch_full_buckets(self, filled: int) -> None:
+        """Launch the buckets whose turn has come: bucket 0, then 1, ..., each once it is full.
+
+        filled: the bucket that just received a gradient. Whatever order the buckets fill in on this rank,
+        they leave in index order, so every rank's k-th all-reduce carries the same bucket.
+        """
+        while (self.next_bucket < len(self.buckets)
+               and self.ready[self.next_bucket] == len(self.buckets[self.next_bucket])):
+            self._launch(self.next_bucket)
+            self.next_bucket += 1
 
     def _launch(self, bucket: int) -> None:
         grads = [self.parameters_in_order[i].grad for i in self.buckets[bucket]]
@@ -131,3 +140,77 @@ class BucketedDDP(nn.Module):
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
         self._reset()
+
+
+class ArrivalOrderDDP(BucketedDDP):
+    """The mistake index order prevents: each bucket's all-reduce launched the moment the bucket fills.
+
+    Where ranks fill their buckets in different orders, rank 0's first all-reduce carries one bucket and rank
+    1's another: a collective pairs whatever each rank hands it. Equal sizes: the sums mix different parameters,
+    silently. Different sizes on gloo: the rank that receives more than it expects aborts ("Received data size
+    doesn't match expected size. Is there a distributed collective mismatch in your code?") and the other
+    waits until its timeout.
+    """
+
+    def _launch_full_buckets(self, filled: int) -> None:
+        if self.ready[filled] == len(self.buckets[filled]):
+            self._launch(filled)
+
+
+class TwoBranches(nn.Module):
+    """(N, width) -> (N, width): relu(a(x)) + tanh(b(x)), two equal Linear branches, a and b.
+
+    a_first says which branch forward runs first. Autograd runs the most recently created node first, so the
+    branch forward ran second delivers its gradients first: with a_first differing across ranks, the ranks
+    fill their buckets in different orders (rank-dependent compute, as data-dependent routing gives).
+    """
+
+    def __init__(self, width: int = 8, a_first: bool = True):
+        super().__init__()
+        self.a, self.b, self.a_first = nn.Linear(width, width), nn.Linear(width, width), a_first
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.a_first:
+            left = torch.relu(self.a(x))
+            return left + torch.tanh(self.b(x))
+        right = torch.tanh(self.b(x))
+        return torch.relu(self.a(x)) + right
+
+
+def launch_order_outcome(ctx, width: int = 8) -> dict:
+    """BucketedDDP (index order) and ArrivalOrderDDP on TwoBranches, one bucket per branch, rank-dependent order.
+
+    Even ranks run branch a first, odd ranks b. Every rank starts from the same parameters and draws its own
+    batch; the reference is each gradient all-reduced on its own. Returns {"index_order" | "arrival_order":
+    {"filled": buckets in the order they filled on this rank, "launched": in the order their all-reduces
+    started, "max_error": largest |averaged .grad - reference| over the reference's largest |value|}}.
+    """
+    generator = torch.Generator().manual_seed(1000 + ctx.rank)
+    images = torch.randn(4, width, generator=generator)
+    torch.manual_seed(0)
+    template = TwoBranches(width, a_first=ctx.rank % 2 == 0)
+    reference = copy.deepcopy(template)
+    reference(images).square().mean().backward()
+    expected = []
+    for parameter in reference.parameters():
+        dist.all_reduce(parameter.grad)
+        expected.append(parameter.grad / dist.get_world_size())
+    cap_mb = (width * width + width) * 4 / 2**20  # one branch's weight and bias: one bucket per branch
+    outcome = {}
+    for name, version in (("index_order", BucketedDDP), ("arrival_order", ArrivalOrderDDP)):
+        model = version(copy.deepcopy(template), bucket_cap_mb=cap_mb)
+        model(images).square().mean().backward()
+        ready, filled = [0] * len(model.buckets), []
+        for event in model.events:
+            if event.kind == "hook":
+                bucket = model.bucket_of[event.index]
+                ready[bucket] += 1
+                if ready[bucket] == len(model.buckets[bucket]):
+                    filled.append(bucket)
+        model.finish_gradient_sync()
+        error = max((p.grad - e).abs().max().item() for p, e in zip(model.module.parameters(), expected))
+        error /= max(e.abs().max().item() for e in expected)
+        outcome[name] = {"filled": filled, "launched": [e.index for e in model.events if e.kind == "all_reduce"],
+                         "max_error": error}
+    return outcome
+

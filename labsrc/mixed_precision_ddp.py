@@ -27,12 +27,14 @@ class CountingHook:
     wire_dtype None: like default_hooks.allreduce_hook (divide by the world size, all-reduce the bucket's
     own buffer). wire_dtype torch.bfloat16 / torch.float16: like bf16_compress_hook / fp16_compress_hook
     (cast, divide, all-reduce the cast copy, copy back). bytes_by_dtype counts the bytes handed to the
-    all-reduce, by dtype name.
+    all-reduce, by dtype name; syncs the backward passes that all-reduced (each hands over one last bucket).
     """
 
     def __init__(self, wire_dtype: torch.dtype | None = None):
         self.wire_dtype = wire_dtype
         self.bytes_by_dtype: dict[str, int] = {}
+        self.syncs = 0
+        """Backward passes whose gradients were all-reduced: buckets handed over with bucket.is_last()."""
 
     def hook(self, process_group, bucket):  # register this bound method; unannotated: DDP checks annotations, which are strings here
         """process_group: None (the default group) or a group; bucket: dist.GradBucket -> Future[Tensor]."""
@@ -41,6 +43,7 @@ class CountingHook:
         wire = buffer if self.wire_dtype is None else buffer.to(self.wire_dtype)
         wire.div_(dist.get_world_size(group))
         key = str(wire.dtype).replace("torch.", "")
+        self.syncs += bucket.is_last()
         self.bytes_by_dtype[key] = self.bytes_by_dtype.get(key, 0) + wire.numel() * wire.element_size()
         future = dist.all_reduce(wire, group=group, async_op=True).get_future()
 
@@ -123,3 +126,38 @@ def accumulation_step(model: DDP, optimizer, scaler, micro_batches, device: torc
     scaler.step(optimizer)
     scaler.update()
     return total
+
+
+def micro_batch_mean_gradient(module: torch.nn.Module, micro_batches, device: torch.device, mode: str) -> torch.Tensor:
+    """The gradient one optimizer step over these micro-batches must apply, computed without accumulating.
+
+    Each micro-batch's mean-loss gradient on its own (fresh .grad every time), averaged over the k micro-batches,
+    then over the ranks (all_reduce / world size). That is the large batch's gradient, micro-batch by
+    micro-batch: BatchNorm still sees each micro-batch's statistics, as under accumulation. module: a copy of
+    the DDP model's module taken before the step. Returns the flat fp32 gradient (all parameters, in order).
+    """
+    total = None
+    for images, labels in micro_batches:
+        module.zero_grad(set_to_none=True)
+        with autocast(device, mode):
+            loss = F.cross_entropy(module(images), labels)
+        loss.backward()
+        flat = torch.cat([p.grad.detach().float().reshape(-1) for p in module.parameters()])
+        total = flat if total is None else total + flat
+    total /= len(micro_batches)
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(total)
+        total /= dist.get_world_size()
+    return total
+
+
+def gradient_gap(model: torch.nn.Module, reference: torch.Tensor) -> float | None:
+    """Largest |.grad - reference| over the largest |reference|, for the flat gradient of every parameter.
+
+    None when .grad holds inf or NaN (a step the GradScaler skipped: there is nothing to compare).
+    """
+    grads = torch.cat([p.grad.detach().float().reshape(-1) for p in model.parameters()])
+    if not torch.isfinite(grads).all():
+        return None
+    return ((grads - reference).abs().max() / reference.abs().max()).item()
+

@@ -55,6 +55,18 @@ def test_flops_of_a_linear_layer_are_six_batch_in_out():
     assert flops == 6 * 4 * 32 * 8 - 2 * 4 * 32 * 8  # the first layer needs no gradient for its input
 
 
+def test_a_step_counts_the_backward_about_twice_the_forward():
+    """MFU's numerator is forward + backward: a weight gradient and an input gradient per layer, each as large as the forward."""
+    model = nn.Sequential(nn.Linear(32, 8, bias=False))
+    images, labels = torch.randn(4, 32), torch.randint(8, (4,))
+    assert benchmark.count_forward_flops(model, images, labels, "fp32") == 2 * 4 * 32 * 8
+    with torch.device("meta"):
+        cnn = build_model("tiny_cnn")
+    images, labels = torch.randn(8, 3, 16, 16, device="meta"), torch.randint(10, (8,), device="meta")
+    forwards = benchmark.count_flops(cnn, images, labels, "fp32") / benchmark.count_forward_flops(cnn, images, labels, "fp32")
+    assert 2 < forwards <= 3, f"a step should be 2 to 3 forwards in FLOPs (the first layer has no input gradient): {forwards}"
+
+
 def test_flops_counted_on_meta_equal_flops_computed():
     torch.manual_seed(0)
     images, labels = torch.randn(4, 3, 8, 8), torch.randint(10, (4,))

@@ -44,6 +44,10 @@ def test_bytes_sent_match_the_formulas_exactly(world_size):
             assert all(r["bytes_sent"] * world_size == 2 * (world_size - 1) * 4 * size for r in ring)
         assert naive[0]["bytes_sent"] == (world_size - 1) * 4 * size
         assert all(r["bytes_sent"] == 4 * size for r in naive[1:])
+        if size % world_size == 0:  # busbw x time is the traffic on each link: what every ring rank sent
+            seconds = 1e-3
+            assert all(alpha_beta.busbw("all_reduce", 4 * size, seconds, world_size) * seconds
+                       == pytest.approx(r["bytes_sent"], rel=1e-12) for r in ring)
 
 
 def test_chunk_sizes_cover_the_tensor_like_tensor_split():
@@ -127,7 +131,8 @@ def test_lab_records_every_measurement_and_summarises_the_fits(tmp_path):
     for record in timings:
         assert len(record["repeats_s"]) == 3 and record["calls_per_repeat"] >= 1
         assert record["seconds"] == min(record["repeats_s"]) and record["median_s"] == sorted(record["repeats_s"])[1]
-        assert record["busbw"] == pytest.approx(record["algbw"] * 2 * (2 - 1) / 2)
+        per_link = collectives.ring_bytes_sent(record["size"], 0, 2) / record["seconds"]  # the sizes: even
+        assert record["busbw"] == pytest.approx(per_link, rel=1e-12), "busbw: the bytes a ring rank sends / time"
     assert [r["repeats_s"] for r in timings] == [r["repeats_s"] for r in records[1] if r["kind"] == "timing"]
     assert any(r["kind"] == "check" for r in records[1]) and any(r["kind"] == "table" for r in records[1])
 

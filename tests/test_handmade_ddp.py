@@ -69,6 +69,17 @@ def test_handmade_ddp_matches_torch_ddp_and_one_process(world_size):
                 torch.testing.assert_close(mine, alone, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_index_order_keeps_ranks_paired_when_buckets_fill_in_different_orders(world_size):
+    outcomes = run_ranks(handmade_ddp.launch_order_outcome, world_size, timeout_s=60)
+    assert outcomes[0]["index_order"]["filled"] == [0, 1] and outcomes[1]["index_order"]["filled"] == [1, 0]
+    for outcome in outcomes:
+        assert outcome["index_order"]["launched"] == [0, 1], "BucketedDDP launches bucket 0, then 1, on every rank"
+        assert outcome["index_order"]["max_error"] < 1e-6
+        assert outcome["arrival_order"]["launched"] == outcome["arrival_order"]["filled"]
+    assert max(o["arrival_order"]["max_error"] for o in outcomes) > 1e-2, "buckets paired across ranks by arrival mix up"
+
+
 def test_bucket_rule_closes_at_the_cap_in_reverse_order():
     parameters = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 10, 30, 5)]  # 40, 40, 120, 20 bytes
     assert handmade_ddp.assign_buckets(parameters, 50) == [[3, 2], [1, 0]]

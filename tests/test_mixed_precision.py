@@ -1,4 +1,6 @@
 """Mixed precision claims: formats, underflow cured by GradScaler, the scale trace, unscale_ before clipping, bytes, AMP + DDP."""
+import copy
+
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -153,6 +155,10 @@ def test_lab_writes_typed_records_that_read_back(tmp_path):
     assert [s.mode for s in result.of(SkippedMode, rank=1)] == ["tf32"]
     steps = result.of(AmpStep)
     assert [s.step for s in steps] == [0, 1, 2] * 2 and all(s.parameter_spread == 0.0 for s in steps)
+    assert all(s.allreduce_syncs == 1 for s in steps), "no_sync on all but the last micro-batch: one all-reduce per step"
+    assert all(s.allreduced_bytes == s.gradient_bytes > 0 for s in steps), "every gradient byte once per step"
+    assert all(s.gradient_gap is not None and s.gradient_gap < 0.05 for s in steps), \
+        "the accumulated gradient (each micro-loss / k) is the mean of the micro-batches' gradients"
     assert {b.mode for b in result.of(GradientBytes, rank=0)} == set(mixed_precision_ddp.MESSAGE_MODES)
     for mine, theirs in zip(result.of(AmpStep, rank=0), result.of(AmpStep, rank=1)):
         assert mine.mean_loss == theirs.mean_loss == pytest.approx((mine.loss + theirs.loss) / 2)
@@ -187,6 +193,33 @@ def test_amp_under_ddp_with_accumulation_keeps_ranks_identical_and_learns(mode):
         assert spreads == [0.0] * len(spreads)
         assert losses[-1] < losses[0]
     assert results[0][2] == results[1][2]  # one loss scale on every rank
+
+
+def _accumulation_checks(ctx, mode: str, micro_steps: int, steps: int = 3):
+    """(all-reduces, gradient gap) per step of accumulation_step under DDP, with a counting comm hook."""
+    torch.manual_seed(0)
+    model = DDP(TinyCNN())
+    counter = mixed_precision_ddp.CountingHook()
+    model.register_comm_hook(None, counter.hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    scaler = torch.amp.GradScaler("cpu", enabled=mode == "fp16")
+    generator = torch.Generator().manual_seed(ctx.rank)
+    checks = []
+    for _ in range(steps):
+        micro_batches = [(torch.randn(8, 3, 16, 16, generator=generator), torch.randint(10, (8,), generator=generator))
+                         for _ in range(micro_steps)]
+        before, counter.syncs = copy.deepcopy(model.module), 0
+        mixed_precision_ddp.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode)
+        reference = mixed_precision_ddp.micro_batch_mean_gradient(before, micro_batches, ctx.device, mode)
+        checks.append((counter.syncs, mixed_precision_ddp.gradient_gap(model, reference)))
+    return checks
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_accumulation_all_reduces_once_and_applies_the_mean_micro_batch_gradient(mode):
+    for checks in run_ranks(_accumulation_checks, world_size=2, args=(mode, 3)):
+        assert [syncs for syncs, _ in checks] == [1, 1, 1], "no_sync on the first k-1 micro-batches: one all-reduce"
+        assert all(gap is not None and gap < 0.05 for _, gap in checks), f"each micro-loss divided by k: {checks}"
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible here)")

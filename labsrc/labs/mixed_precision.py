@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -122,6 +123,16 @@ class AmpStep(Record):
     """Largest gap between this rank's loss scale and rank 0's (0.0: identical; always 0.0 without a scaler)."""
     parameter_spread: float
     """Largest gap between any parameter element here and on rank 0 (0.0: identical)."""
+    allreduce_syncs: int
+    """Backward passes of this step whose gradients DDP all-reduced (a comm hook counts each one's last bucket)."""
+    allreduced_bytes: int
+    """Bytes DDP handed to all-reduce during this step (counted by the same hook)."""
+    gradient_bytes: int
+    """Bytes of the model's gradients: one all-reduce of each per step is what no_sync aims at."""
+    gradient_gap: float | None
+    """Largest gap between the accumulated gradient and the mean of the micro-batches' gradients computed one by
+    one (mixed_precision_ddp.micro_batch_mean_gradient), over the latter's largest value; None where the
+    GradScaler skipped the step."""
 
 
 def modes_for(device: torch.device) -> tuple[list[str], dict[str, str]]:
@@ -165,6 +176,9 @@ def amp_ddp_accumulation(ctx, records, profile, options: Options) -> str:
     """
     torch.manual_seed(options.seed)
     model = DDP(build_model(profile.model).to(ctx.device))
+    counter = mixed_precision_ddp.CountingHook()  # DDP's default all-reduce, counted
+    model.register_comm_hook(None, counter.hook)
+    gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
     mode = "fp16" if ctx.device.type == "cuda" else "bf16"
     scaler = torch.amp.GradScaler(ctx.device.type, enabled=mode == "fp16")
@@ -174,12 +188,18 @@ def amp_ddp_accumulation(ctx, records, profile, options: Options) -> str:
     steps = options.amp_steps or profile.steps
     for step in range(steps):
         micro_batches = [next(batches) for _ in range(options.micro_steps)]
+        before = copy.deepcopy(model.module)  # the parameters this step starts from
+        counter.syncs, counter.bytes_by_dtype = 0, {}
         loss = mixed_precision_ddp.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode)
+        syncs, sent = counter.syncs, sum(counter.bytes_by_dtype.values())
+        reference = mixed_precision_ddp.micro_batch_mean_gradient(before, micro_batches, ctx.device, mode)
         scale = torch.tensor([scaler.get_scale() if scaler.is_enabled() else 1.0], device=ctx.device)
         records.write(AmpStep(step=step, loss=loss.item(), mean_loss=mean_over_ranks(loss, ctx), mode=mode,
                               micro_batch=micro_batch, scaler_enabled=scaler.is_enabled(), scale=scale.item(),
                               scale_spread=dp_vs_ddp.spread_across_ranks([scale]),
-                              parameter_spread=dp_vs_ddp.spread_across_ranks(list(model.parameters()))))
+                              parameter_spread=dp_vs_ddp.spread_across_ranks(list(model.parameters())),
+                              allreduce_syncs=syncs, allreduced_bytes=sent, gradient_bytes=gradient_bytes,
+                              gradient_gap=mixed_precision_ddp.gradient_gap(model, reference)))
         records.progress(step + 1, steps)
     return mode
 

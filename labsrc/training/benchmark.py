@@ -73,6 +73,20 @@ def count_flops(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, pr
     return counter.get_total_flops()
 
 
+def count_forward_flops(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, precision: str) -> int:
+    """FLOPs of the forward pass alone (loss included), counted as count_flops counts: the yardstick its total
+    is checked against. The backward computes a gradient for the weights and one for the activations, each a
+    product as large as the forward's, so count_flops / count_forward_flops is about 3 (a little less: the first
+    layer needs no gradient for its input). images: (N, 3, H, W), labels: (N,).
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+    counter = FlopCounterMode(display=False)
+    with counter, torch.no_grad():
+        with contextlib.nullcontext() if images.device.type == "meta" else autocast(images.device, precision):
+            F.cross_entropy(model(images), labels)
+    return counter.get_total_flops()
+
+
 def compile_or_fallback(model: nn.Module, enabled: bool, backend: str = "inductor", example=None,
                         precision: str = "fp32"):
     """(model, compiled, reason): torch.compile'd and tried once on `example`, or eager with the reason why.
