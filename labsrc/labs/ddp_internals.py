@@ -294,7 +294,7 @@ def ddp_internals_lab(ctx, records, options: Options) -> dict:
     }
     for done, part in enumerate(options.parts, start=1):
         parts[part]()
-        records.progress(done, len(options.parts))
+        records.progress(done, len(options.parts), unit="parts")
     return {"profile": profile.name, "width": width, "batch_per_rank": batch, "caps_mb": list(options.caps_mb),
             "micro_steps": options.micro_steps, "parts": list(options.parts)}
 

@@ -180,7 +180,7 @@ def amp_ddp_accumulation(ctx, records, profile, options: Options) -> str:
                               micro_batch=micro_batch, scaler_enabled=scaler.is_enabled(), scale=scale.item(),
                               scale_spread=dp_vs_ddp.spread_across_ranks([scale]),
                               parameter_spread=dp_vs_ddp.spread_across_ranks(list(model.parameters()))))
-        records.progress(step + 1, steps)
+        records.progress(step + 1, steps, unit="steps")
     return mode
 
 
