@@ -62,12 +62,13 @@ def show(error: BaseException, tb=None) -> None:
     """Display the box for `error` (and keep its traceback in last_traceback)."""
     global last_traceback
     from IPython.display import HTML, display
-    last_traceback = "".join(traceback.format_exception(type(error), error, tb or error.__traceback__))
+    tb = tb or error.__traceback__
+    sys.last_type, sys.last_value, sys.last_traceback = type(error), error, tb  # so %tb finds it
+    last_traceback = "".join(traceback.format_exception(type(error), error, tb))
     display(HTML(box_html(error, last_traceback)))
 
 
 def _handler(shell, etype, value, tb, tb_offset=None):
-    sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb  # so %tb finds it
     show(value, tb)
     return []  # no red traceback under the box; the cell's reply is still an error
 
