@@ -92,4 +92,6 @@ def test_panel_run_from_a_cell_raises_what_the_run_raised():
     with pytest.raises(ValueError, match="size 1 is wrong"):
         panel.run()
     assert not panel.button.disabled, "the Run button stays disabled after a failed run"
-    assert panel.controls["size"].style.description_width == "initial", "labels would be cut (global bat...)"
+    wide = rerun_controls(lab, nproc=([2], 2), global_batch=([8], 8))
+    widths = {control.style.description_width for control in wide.controls.values()}
+    assert widths == {f"{len('global batch') + 2}ch"}, f"one width that holds 'global batch' (not 'global bat...'): {widths}"

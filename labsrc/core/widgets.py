@@ -5,16 +5,17 @@ import html
 import time
 from typing import Any, Callable, Sequence
 
-LABEL_STYLE = {"description_width": "initial"}  # the whole name ("global batch"), not "global bat..."
+def label_style(names: Sequence[str]) -> dict:
+    """One label width for a panel, wide enough for its longest name: "global batch", not "global bat..."."""
+    return {"description_width": f"{max((len(name) for name in names), default=0) + 2}ch"}
 
 
-def _control(name: str, choices: Sequence[Any], default: Any):
+def _control(name: str, choices: Sequence[Any], default: Any, style: dict):
     import ipywidgets as widgets
     label = name.replace("_", " ")
     if all(isinstance(c, int) and not isinstance(c, bool) for c in choices) and len(choices) > 6:
-        return widgets.IntSlider(value=default, min=min(choices), max=max(choices), description=label,
-                                 style=LABEL_STYLE)
-    return widgets.Dropdown(options=list(choices), value=default, description=label, style=LABEL_STYLE)
+        return widgets.IntSlider(value=default, min=min(choices), max=max(choices), description=label, style=style)
+    return widgets.Dropdown(options=list(choices), value=default, description=label, style=style)
 
 
 def result_line(result: Any, values: dict, seconds: float) -> str:
@@ -57,7 +58,8 @@ def rerun_controls(function: Callable[..., Any], show: Callable[[Any], None] | N
     from IPython.display import HTML, display
 
     from labsrc.core import feedback
-    controls = {name: _control(name, choices, default) for name, (choices, default) in options.items()}
+    style = label_style(list(options))
+    controls = {name: _control(name, choices, default, style) for name, (choices, default) in options.items()}
     button = widgets.Button(description="Run", button_style="primary")
     output = widgets.Output()
     panel = widgets.VBox([*controls.values(), button, output])
