@@ -163,6 +163,9 @@ def test_a_learner_sees_bars_end_on_done_the_widgets_plot_and_short_boxes(jupyte
         exercise.locator(".labsrc-feedback", has_text="Not yet").wait_for(state="attached")
         assert exercise.locator(".jp-RenderedText[data-mime-type='application/vnd.jupyter.stderr']").count() == 0
         exercise.screenshot(path=shots / "4_exercise_verdict.png")
+        exercise.locator(".labsrc-feedback summary").click()  # the full traceback, one click away
+        assert "Traceback (most recent call last)" in exercise.locator(".labsrc-feedback details").inner_text()
+        exercise.screenshot(path=shots / "4b_exercise_traceback_opened.png")
         # a stopped launch: a short box, bars say "stopped"
         _run_cell(page, 3)
         stopped = cells.nth(3)

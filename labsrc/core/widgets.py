@@ -64,7 +64,7 @@ def rerun_controls(function: Callable[..., Any], show: Callable[[Any], None] | N
     output = widgets.Output()
     panel = widgets.VBox([*controls.values(), button, output])
 
-    def run(_=None, raise_errors: bool = True):
+    def run(raise_errors: bool = True):
         import matplotlib.pyplot as plt
         values = {name: control.value for name, control in controls.items()}
         output.clear_output()
