@@ -175,3 +175,8 @@ def test_lab_launch_records_every_experiment():
     assert sorted(sweep) == [1, 2]
     assert analysis.timeline_of(result.of(lab.ActionTiming), "1f1b", 4)[0][0]["action"] == "F"
     assert {(p.schedule, p.stage) for p in result.of(lab.MemoryPeak)} == {(s, r) for s in ("gpipe", "1f1b") for r in (0, 1)}
+    progress = result.of_kind("progress", rank=0)
+    total = lab.step_count(lab.Options.make(micro_batches=(1, 2), repeats=1))
+    assert [p["step"] for p in progress] == list(range(total + 1)), "the bar should move once per pipeline step"
+    assert {p["unit"] for p in progress} == {lab.PROGRESS_UNIT} and progress[1]["t"] < progress[-1]["t"] / 2, \
+        "the first step's report should come early, not with the last"

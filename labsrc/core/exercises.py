@@ -11,10 +11,11 @@ import importlib.util
 from pathlib import Path
 from typing import Any, Callable
 
+from labsrc.core.feedback import Feedback
 from labsrc.core.forked import RankError, run_ranks
 
 
-class ExerciseFailed(AssertionError):
+class ExerciseFailed(Feedback, AssertionError):
     """The learner's answer is wrong; the message says how, and what to look at."""
 
 

@@ -16,13 +16,14 @@ from pathlib import Path
 from labsrc.core import runs
 from labsrc.core.launch_request import (Nodes, Target, check_args, check_number, check_port, check_profile,
                                         free_port, parse_nodes, resolve_target)
-from labsrc.core.launch_result import LOG_FILE, LaunchError, LaunchTimeout, RankFailed, RunResult, failure
+from labsrc.core.launch_result import (LOG_FILE, LaunchError, LaunchInterrupted, LaunchTimeout, RankFailed, RunResult,
+                                       failure)
 from labsrc.core.processes import RUN_ID_ENV, end_run, processes_of_run, terminate_with_parent
-from labsrc.core.progress import make_progress
+from labsrc.core.progress import in_notebook, make_progress
 from labsrc.core.rank_output import OUTPUT_FILE, LineTail
 from labsrc.core.world import BACKEND_ENV, RequestError, validate_request
 
-__all__ = ["start", "run", "Launch", "RunResult", "LaunchError", "LaunchTimeout", "RankFailed",
+__all__ = ["start", "run", "Launch", "RunResult", "LaunchError", "LaunchTimeout", "LaunchInterrupted", "RankFailed",
            "RequestError", "processes_of_run", "end_run"]
 
 FAILED_PEER_GRACE_S = 10.0  # after one node's agent fails, the others get this long to end by themselves
@@ -193,12 +194,14 @@ class Launch:
             timed_out = self._watch()
         except KeyboardInterrupt:
             count = end_run(self.run_id, pids)
-            self._finish()
-            print(f"\nInterrupted: ended {count} process(es) of {self.target.name}. Records so far stay in "
-                  f"{self.run_dir}.", flush=True)
-            raise
+            self._finish("stopped")
+            message = (f"Interrupted: ended {count} process(es) of {self.target.name}. Records so far stay in "
+                       f"{self.run_dir}.")
+            if not in_notebook():  # a watched notebook shows the message as a box (labsrc.core.feedback)
+                print(f"\n{message}", flush=True)
+            raise LaunchInterrupted(message) from None
         end_run(self.run_id, pids, grace_s=5.0 if timed_out or self._running() else 1.0)
-        result = self._finish()
+        result = self._finish("stopped (timeout)" if timed_out else None)
         if timed_out:
             error = LaunchTimeout(
                 f"{result.lab} ran past its {self.timeout:g} s timeout and all its processes were ended. What "
@@ -212,14 +215,15 @@ class Launch:
             raise failure(result)
         return result
 
-    def _finish(self) -> RunResult:
+    def _finish(self, ending: str | None = None) -> RunResult:
+        """Collect the ended run; the progress bars end on `ending`, else "done" or "failed" by the exit status."""
         for agent in self.agents:
             agent.wait()
         self._pump()
-        self._progress.close()
         self._log.close()
         codes = [a.returncode for i, a in enumerate(self.agents) if i not in self.ended_nodes]
         returncode = next((c for c in codes if c != 0), 0) if codes else -signal.SIGKILL
+        self._progress.close(ending or ("done" if returncode == 0 else "failed"))
         notes = runs.read_attempts(self.run_dir)
         if returncode == 1:  # torchrun says 1 for any failure: the first failing rank's own status is truer
             last = max((n["attempt"] for n in notes), default=0)

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from labsrc.core import runs
+from labsrc.core.feedback import Feedback
 
 LOG_FILE = "launcher.log"
 
@@ -63,7 +64,7 @@ class RunResult:
         return [record_class.from_dict(r) for r in self.of_kind(record_class.KIND, rank, attempt)]
 
 
-class LaunchError(RuntimeError):
+class LaunchError(Feedback, RuntimeError):
     """A launch that did not succeed; `.result` keeps what the run recorded before it ended."""
 
     def __init__(self, message: str, result: RunResult | None = None):
@@ -82,6 +83,10 @@ class RankFailed(LaunchError):
 
 class LaunchTimeout(LaunchError):
     """The run outlived its timeout and was ended."""
+
+
+class LaunchInterrupted(Feedback, KeyboardInterrupt):
+    """The run was stopped (the notebook's stop button, Ctrl-C) and all its processes were ended."""
 
 
 def last_attempt_errors(result: RunResult) -> dict[int, dict]:

@@ -41,55 +41,98 @@ class RecordTail:
         return found
 
 
-class PlainProgress:
-    """One line every few seconds: `[progress] lab: rank0 5/12 | rank1 5/12`."""
+ENDINGS = ("done", "failed", "stopped")
 
-    def __init__(self, name: str, nproc: int, run_dir: Path, every_s: float = 3.0):
+
+class PlainProgress:
+    """Plain lines, one when the counts changed and a few seconds passed, and one at the end (CI logs stay short).
+
+    `[progress] pipeline_parallel: rank0 12/40 micro-batches | rank1 10/40 micro-batches`, then
+    `[progress] pipeline_parallel: done (rank0 40/40 micro-batches | ...)`.
+    """
+
+    def __init__(self, name: str, nproc: int, run_dir: Path, every_s: float = 5.0):
         self.name, self.nproc = name, nproc
         self.tail = RecordTail(run_dir)
-        self.state: dict[int, tuple[int, int]] = {}
+        self.state: dict[int, tuple[int, int, str]] = {}
+        """{rank: (done, total, unit)} from each rank's last progress record."""
         self.every_s = every_s
+        self.ending: str | None = None
         self._last_print = time.perf_counter()
         self._printed_state: dict = {}
 
-    def update(self, force: bool = False) -> None:
+    def _read(self) -> bool:
+        changed = False
         for record in self.tail.new_records():
             if record.get("kind") == "progress":
-                self.state[record["rank"]] = (record["step"], record["total"])
+                self.state[record["rank"]] = (record["step"], record["total"], record.get("unit", "steps"))
+                changed = True
+        return changed
+
+    def counts(self) -> str:
+        return " | ".join(f"rank{r} {done}/{total} {unit}" for r, (done, total, unit) in sorted(self.state.items()))
+
+    def update(self) -> None:
+        self._read()
         due = time.perf_counter() - self._last_print >= self.every_s
-        if self.state and self.state != self._printed_state and (due or force):
-            parts = [f"rank{r} {s}/{t}" for r, (s, t) in sorted(self.state.items())]
-            print(f"[progress] {self.name}: " + " | ".join(parts), flush=True)
+        if self.state and self.state != self._printed_state and due:
+            print(f"[progress] {self.name}: {self.counts()}", flush=True)
             self._printed_state = dict(self.state)
             self._last_print = time.perf_counter()
 
-    def close(self) -> None:
-        self.update(force=True)
+    def close(self, ending: str = "done") -> None:
+        """The run ended: `ending` is "done", "failed", "stopped" or "stopped (timeout)"."""
+        self._read()
+        self.ending = ending
+        counts = f" ({self.counts()})" if self.state else ""
+        print(f"[progress] {self.name}: {ending}{counts}", flush=True)
 
 
 class WidgetProgress(PlainProgress):
-    """One ipywidgets progress bar per rank, updated in place."""
+    """One ipywidgets bar per rank, each with what it counts; the header and labels end on done/failed/stopped."""
+
+    STYLES = {"done": "success", "failed": "danger", "stopped": "warning"}
 
     def __init__(self, name: str, nproc: int, run_dir: Path):
         super().__init__(name, nproc, run_dir)
         import ipywidgets as widgets
         from IPython.display import display
-        self.bars = [widgets.IntProgress(value=0, min=0, max=1, description=f"rank {r}")
-                     for r in range(nproc)]
-        self.labels = [widgets.Label("waiting") for _ in range(nproc)]
+        self.bars = [widgets.IntProgress(value=0, min=0, max=1, description=f"rank {r}") for r in range(nproc)]
+        self.labels = [widgets.Label("starting") for _ in range(nproc)]
+        self.header = widgets.HTML(self._header("starting"))
         rows = [widgets.HBox([bar, label]) for bar, label in zip(self.bars, self.labels)]
-        display(widgets.VBox([widgets.HTML(f"<b>{name}</b> on {nproc} rank(s)"), *rows]))
+        self.box = widgets.VBox([self.header, *rows])
+        display(self.box)
 
-    def update(self, force: bool = False) -> None:
-        for record in self.tail.new_records():
-            if record.get("kind") != "progress" or record["rank"] >= self.nproc:
-                continue
-            bar = self.bars[record["rank"]]
-            bar.max, bar.value = max(1, record["total"]), record["step"]
-            self.labels[record["rank"]].value = f"{record['step']}/{record['total']}"
+    def _header(self, status: str) -> str:
+        return f"<b>{self.name}</b> on {self.nproc} rank(s): <span class='labsrc-progress-state'>{status}</span>"
 
-    def close(self) -> None:
-        self.update()
+    def _draw(self) -> None:
+        for rank, (done, total, unit) in self.state.items():
+            if rank < self.nproc:
+                self.bars[rank].max, self.bars[rank].value = max(1, total), min(done, max(1, total))
+                self.labels[rank].value = f"{done}/{total} {unit}"
+
+    def update(self) -> None:
+        if self._read():
+            self.header.value = self._header("running")
+            self._draw()
+
+    def close(self, ending: str = "done") -> None:
+        self._read()
+        self.ending = ending
+        self._draw()
+        style = self.STYLES[ending.split()[0]]
+        for rank, (bar, label) in enumerate(zip(self.bars, self.labels)):
+            done, total, unit = self.state.get(rank, (0, 0, ""))
+            if ending == "done":
+                bar.max, bar.value = max(1, total), max(1, total)
+            if rank in self.state:
+                label.value = f"{ending}: {done}/{total} {unit}"
+            else:
+                label.value = ending if ending == "done" else f"{ending} (no progress reported)"
+            bar.bar_style = style
+        self.header.value = self._header(ending)
 
 
 def make_progress(name: str, nproc: int, run_dir: Path):

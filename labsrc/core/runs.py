@@ -97,9 +97,13 @@ class RecordWriter:
         self._file.write(json.dumps(record) + "\n")
         return record
 
-    def progress(self, step: int, total: int, **fields) -> dict:
-        """A progress record: the launcher draws one bar per rank from these."""
-        return self.write("progress", step=step, total=total, **fields)
+    def progress(self, step: int, total: int, unit: str = "steps", **fields) -> dict:
+        """A progress record: `step` of `total` units done ("steps", "micro-batches", "repeats", ...).
+
+        The launcher draws one bar per rank from these, labelled with the unit; report from inside the loop
+        so the bar moves while the rank works.
+        """
+        return self.write("progress", step=step, total=total, unit=unit, **fields)
 
     def close(self) -> None:
         self._file.close()

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from labsrc.core.feedback import Feedback
 from labsrc.core.processes import die_with_parent
 
 BACKEND_ENV = "LABSRC_BACKEND"
 
 
-class RequestError(ValueError):
+class RequestError(Feedback, ValueError):
     """A launch request this machine cannot meet; the message says what to do instead."""
 
 

@@ -215,9 +215,9 @@ def parameter_server_lab(ctx, records, options: Options) -> dict:
             write_server_run(records, key, settings, result)
             outcomes[key] = {"mode": mode, "workers": len(ranks), "bytes_in": result["traffic"].bytes_in,
                              "versions": analysis.throughput(result["updates"], 1.0)["versions"]}
-        records.progress(done + 1, len(runs) + 1)
+        records.progress(done + 1, len(runs) + 1, unit="runs")
     local_sgd_runs(ctx, records, data, problem, workers, options)
-    records.progress(len(runs) + 1, len(runs) + 1)
+    records.progress(len(runs) + 1, len(runs) + 1, unit="runs")
     if ctx.is_main:
         bottleneck_rows(records, problem.features, outcomes)
     return {"problem": dataclasses.asdict(problem), "workers": list(workers),

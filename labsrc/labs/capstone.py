@@ -225,7 +225,7 @@ def body(ctx, records, options: Options) -> dict:
             records.write(record)
             if kind == "evaluation":
                 print(f"step {values['step']}: held-out accuracy {values['accuracy']:.3f}")
-                records.progress(values["step"], settings.schedule.total_steps)
+                records.progress(values["step"], settings.schedule.total_steps, unit="steps")
 
     crash = options.crash_at_step >= 0 and current_attempt() == 0
     final = train_run(ctx, settings, train_set, held_out, snapshot, report,

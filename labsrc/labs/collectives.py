@@ -108,8 +108,9 @@ def collectives_lab(ctx, records, options: Options) -> dict:
         records.write(Holding(**row))
     for row in collectives.check_algorithms(ctx, collectives.check_sizes(ctx.world_size), options.ring_timeout_s):
         records.write(Check(**row))
-    records.progress(0, repeats)
-    timings = collectives.sweep(ctx, sizes, repeats, on_repeat=lambda done: records.progress(done, repeats))
+    records.progress(0, repeats, unit="repeats")
+    timings = collectives.sweep(ctx, sizes, repeats,
+                                on_repeat=lambda done: records.progress(done, repeats, unit="repeats"))
     for (name, size), timing in timings.items():
         records.write(timing_record(name, size, timing, ctx.world_size))
     fits = {name: dataclasses.asdict(fit) for name, fit in alpha_beta.fit_sweep(timings, min).items()}

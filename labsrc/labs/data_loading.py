@@ -159,12 +159,12 @@ def throughput_sweep(ctx, records, profile, batch: int, cost_s: float, workers: 
                                            seed=seed, pin_memory=arm["pin_memory"])
         write_throughput(records, arm, batch,
                          data_loading.time_batches(data.forever(loader, sampler), steps, ctx.device, train_step))
-        records.progress(index + 1, len(arms) + 1)
+        records.progress(index + 1, len(arms) + 1, unit="loaders timed")
         del loader, sampler  # ends this arm's worker processes before the next arm is timed
     resident = data.DeviceBatches(dataset, batch, ctx, seed=seed)
     arm = {"source": "resident", "num_workers": 0, "pin_memory": False, "transform_cost_s": 0.0}
     write_throughput(records, arm, batch, data_loading.time_batches(resident, steps, ctx.device, train_step))
-    records.progress(len(arms) + 1, len(arms) + 1)
+    records.progress(len(arms) + 1, len(arms) + 1, unit="loaders timed")
 
 
 def data_loading_lab(ctx, records, options: Options) -> dict:

@@ -209,8 +209,12 @@ def equivalence(ctx, records, width: int, batch: int, steps: int = 3) -> None:
             parameters=len(mine), buckets=len(getattr(model, "buckets", [])) or None))
 
 
-def bucket_sweep(ctx, records, width: int, batch: int, caps_mb: list[float], repeats: int) -> None:
-    """torch DDP's all-reduce calls per step and step time for each bucket_cap_mb, beside the buckets predicted."""
+def bucket_sweep(ctx, records, width: int, batch: int, caps_mb: list[float], repeats: int,
+                 on_cap=lambda: None) -> None:
+    """torch DDP's all-reduce calls per step and step time for each bucket_cap_mb, beside the buckets predicted.
+
+    on_cap() is called after each bucket size (the lab's progress).
+    """
     parameters = list(ddp_internals.layered_model(width=width).parameters())
     for cap in caps_mb:
         model = DDP(ddp_internals.layered_model(width=width).to(ctx.device), bucket_cap_mb=cap)
@@ -231,6 +235,7 @@ def bucket_sweep(ctx, records, width: int, batch: int, caps_mb: list[float], rep
                                   gradient_bytes=sum(p.numel() * p.element_size() for p in parameters),
                                   predicted_buckets=len(predicted), buckets=counter.buckets(model.module),
                                   predicted=predicted))
+        on_cap()
 
 
 def accumulation(ctx, records, width: int, batch: int, micro_steps: int, bucket_cap_mb: float = 0.1) -> None:
@@ -285,16 +290,23 @@ def ddp_internals_lab(ctx, records, options: Options) -> dict:
     profile = resolve_profile(options)
     width = options.width or layer_width(profile)
     batch = split_global_batch(options.global_batch, profile, ctx.world_size) // ctx.world_size
+    done, total = [0], len(options.parts) + ("buckets" in options.parts) * (len(options.caps_mb) - 1)
+
+    def tick():  # one unit per part but the sweep, which counts one per bucket size
+        done[0] += 1
+        records.progress(done[0], total, unit="experiments")
     parts = {
         "equivalence": lambda: equivalence(ctx, records, width, batch),
-        "buckets": lambda: bucket_sweep(ctx, records, width, batch, list(options.caps_mb), profile.repeats),
+        "buckets": lambda: bucket_sweep(ctx, records, width, batch, list(options.caps_mb), profile.repeats, tick),
         "no_sync": lambda: accumulation(ctx, records, width, batch, options.micro_steps),
         "settings": lambda: settings(ctx, records, width, batch),
         "overlap": lambda: overlap(ctx, records, width, batch, str(records.run_dir)),
     }
-    for done, part in enumerate(options.parts, start=1):
+    records.progress(0, total, unit="experiments")
+    for part in options.parts:
         parts[part]()
-        records.progress(done, len(options.parts))
+        if part != "buckets":
+            tick()
     return {"profile": profile.name, "width": width, "batch_per_rank": batch, "caps_mb": list(options.caps_mb),
             "micro_steps": options.micro_steps, "parts": list(options.parts)}
 

@@ -289,13 +289,13 @@ def experiments(ctx, records, options: Options) -> dict:
     total = len(dp_vs_ddp.VARIANTS) + 1 + (2 if ctx.is_main else 0)
     for index, variant in enumerate(dp_vs_ddp.VARIANTS):
         train_ddp(ctx, records, profile, dataset, variant, options.seed)
-        records.progress(index + 1, total)
+        records.progress(index + 1, total, unit="training runs")
     time_steps(ctx, records, profile, dataset, options.seed)
-    records.progress(len(dp_vs_ddp.VARIANTS) + 1, total)
+    records.progress(len(dp_vs_ddp.VARIANTS) + 1, total, unit="training runs")
     if ctx.is_main:
         for index, batch_norm in enumerate((False, True)):
             train_single(ctx, records, profile, dataset, batch_norm, options.seed)
-            records.progress(total - 1 + index, total)
+            records.progress(total - 1 + index, total, unit="training runs")
     return {"profile": profile.name, "global_batch": profile.global_batch, "steps": profile.steps,
             "model": profile.model, "timed_steps": profile.repeats,
             "per_rank_batch": profile.global_batch // ctx.world_size,

@@ -199,7 +199,7 @@ def train(ctx, records, options: Options, run: Training, label: str, path: Path 
         epoch, ids, loss = run.step()
         records.write(TrainStep(run=label, step=run.steps_done, epoch=epoch, sample_ids=ids, loss=loss,
                                 world_size=ctx.world_size, wall=time.time()))
-        records.progress(run.steps_done, run.setup.total_steps)
+        records.progress(run.steps_done, run.setup.total_steps, unit="steps")
         time.sleep(options.step_sleep_s)
         if path is None:
             records.write(StateFingerprint(run=label, step=run.steps_done, parts=part_fingerprints(run)))

@@ -222,14 +222,14 @@ def memory_sharding_lab(ctx, records, options: Options) -> dict:
     gradients = runs.unsharded_gradients(options.depth, options.width, batches, options.lr)
     parameters = memory.count_parameters(memory.deep_mlp(options.depth, options.width))
     steps = ("hand-written ZeRO", "activations", "torch APIs")
-    records.progress(0, len(steps))
+    records.progress(0, len(steps), unit="experiments")
     hand_zero(ctx, records, options, batches, (trajectory, gradients), parameters)
-    records.progress(1, len(steps))
+    records.progress(1, len(steps), unit="experiments")
     if ctx.is_main:
         activations(records, options)
-    records.progress(2, len(steps))
+    records.progress(2, len(steps), unit="experiments")
     torch_apis(ctx, records, options, batches, trajectory[-1])
-    records.progress(3, len(steps))
+    records.progress(3, len(steps), unit="experiments")
     first_layer = memory.count_parameters(memory.deep_mlp(options.depth, options.width)[0])
     return {"parameters": parameters, "first_layer_parameters": first_layer, "depth": options.depth,
             "width": options.width, "steps": options.steps, "checkpoint_depth": options.checkpoint_depth,

@@ -200,7 +200,7 @@ def amp_ddp_accumulation(ctx, records, profile, options: Options) -> str:
                               parameter_spread=dp_vs_ddp.spread_across_ranks(list(model.parameters())),
                               allreduce_syncs=syncs, allreduced_bytes=sent, gradient_bytes=gradient_bytes,
                               gradient_gap=mixed_precision_ddp.gradient_gap(model, reference)))
-        records.progress(step + 1, steps)
+        records.progress(step + 1, steps, unit="steps")
     return mode
 
 

@@ -257,15 +257,15 @@ def cost_experiments(ctx, records, options: Options) -> dict:
 
 def model_tensor_parallel_lab(ctx, records, options: Options) -> dict:
     steps = ("naive split", "Megatron blocks", "torch tensor parallel", "cost")
-    records.progress(0, len(steps))
+    records.progress(0, len(steps), unit="experiments")
     naive_experiments(ctx, records, options)
-    records.progress(1, len(steps))
+    records.progress(1, len(steps), unit="experiments")
     block_experiments(ctx, records, options)
-    records.progress(2, len(steps))
+    records.progress(2, len(steps), unit="experiments")
     library_experiments(ctx, records, options)
-    records.progress(3, len(steps))
+    records.progress(3, len(steps), unit="experiments")
     link = cost_experiments(ctx, records, options)
-    records.progress(4, len(steps))
+    records.progress(4, len(steps), unit="experiments")
     return {"link": link, "hidden": options.hidden, "heads": options.heads, "batch": options.batch,
             "seq": options.seq, "tokens": options.batch * options.seq,
             "cost_hidden": options.cost_hidden, "cost_blocks": options.cost_blocks, "experiments": list(steps)}

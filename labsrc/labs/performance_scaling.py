@@ -105,14 +105,14 @@ def scaling_lab(ctx, records, options: Options) -> dict:
     total = len(options.batches) + 1
     for index, batch in enumerate(options.batches):
         records.write(Scaling(world_size=ctx.world_size, **measure(ctx, profile, batch, options.steps, options.seed)))
-        records.progress(index + 1, total)
+        records.progress(index + 1, total, unit="measurements")
     points = []
     for size in profile.sweep_sizes:
         seconds = collectives.time_algorithm(collectives.torch_all_reduce, size, ctx, profile.repeats)
         points.append((4 * size, seconds))
         records.write(AllReduceTime(bytes=4 * size, seconds=seconds))
     fit = alpha_beta.fit(*zip(*points))
-    records.progress(total, total)
+    records.progress(total, total, unit="measurements")
     gc.collect()  # DDP's reducers (held in reference cycles) go now, while the process group they use still exists
     return {"profile": profile.name, "model": profile.model,
             "fit": {"alpha_s": fit.alpha_s, "beta_s_per_byte": fit.beta_s_per_byte, "r2": fit.r2}}

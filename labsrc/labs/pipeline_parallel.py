@@ -107,37 +107,53 @@ class MemoryPeak(Record):
     """Peak CUDA memory above the start of the step (None on the CPU)."""
 
 
-def check_gradients(ctx, records, options: Options) -> None:
+PROGRESS_UNIT = "pipeline steps"  # each gradient check, memory measure and timed run is one step of a schedule
+
+
+def timed_runs(options: Options) -> list[tuple[str, int, int]]:
+    """(schedule, m, repeat) of each timed step: GPipe at every m, `repeats` times over, then one 1F1B."""
+    runs = [("gpipe", m, repeat) for repeat in range(options.repeats) for m in options.micro_batches]
+    return runs + [("1f1b", options.check_micro_batches, 0)]
+
+
+def step_count(options: Options) -> int:
+    """How many pipeline steps the lab runs: the bar's total."""
+    return len(schedules.SCHEDULES) + len(LIBRARY_SCHEDULES) + 2 + 1 + len(timed_runs(options))
+
+
+def check_gradients(ctx, records, options: Options, tick) -> None:
     m, batch = options.check_micro_batches, options.check_batch
     for schedule in schedules.SCHEDULES:
         report = experiments.hand_written_check(ctx, schedule, m, batch=batch, timeout_s=options.pg_timeout_s)
         used = schedules.effective_micro_batches(schedule, m)
         records.write(GradientCheck(implementation="hand-written", schedule=schedule, micro_batches=used, **report))
+        tick()
     for schedule in LIBRARY_SCHEDULES:
         report = experiments.library_check(ctx, schedule, m, batch=batch)
         records.write(GradientCheck(implementation="torch.distributed.pipelining", schedule=schedule,
                                     micro_batches=m, **report))
+        tick()
 
 
-def time_schedules(ctx, records, options: Options) -> None:
+def time_schedules(ctx, records, options: Options, tick) -> None:
     sizes = dict(width=options.width, blocks_per_stage=options.blocks_per_stage,
                  micro_batch_size=options.micro_batch_size, box_s=options.box_ms / 1000,
                  timeout_s=options.pg_timeout_s)
     experiments.timed_schedule(ctx, "gpipe", 2, **sizes)   # warm-up, not recorded
-    runs = [("gpipe", m, repeat) for repeat in range(options.repeats) for m in options.micro_batches]
-    runs += [("1f1b", options.check_micro_batches, 0)]
-    for done, (schedule, m, repeat) in enumerate(runs):
+    tick()
+    for schedule, m, repeat in timed_runs(options):
         for event in experiments.timed_schedule(ctx, schedule, m, **sizes):
             records.write(ActionTiming(schedule=schedule, micro_batches=m, repeat=repeat, stage=ctx.rank, **event))
-        records.progress(done + 1, len(runs))
+        tick()
 
 
-def measure_memory(ctx, records, options: Options) -> None:
+def measure_memory(ctx, records, options: Options, tick) -> None:
     for schedule in ("gpipe", "1f1b"):
         peak = experiments.saved_tensor_peak(ctx, schedule, options.memory_micro_batches,
                                              timeout_s=options.pg_timeout_s)
         records.write(MemoryPeak(schedule=schedule, micro_batches=options.memory_micro_batches, stage=ctx.rank,
                                  stages=ctx.world_size, **peak))
+        tick()
 
 
 def pipeline_experiments(ctx, records, options: Options) -> dict:
@@ -145,10 +161,16 @@ def pipeline_experiments(ctx, records, options: Options) -> dict:
         raise RequestError("a pipeline needs at least 2 ranks: launch with nproc=2 or more.")
     threads = torch.get_num_threads()
     torch.set_num_threads(1)   # one core per stage, as one GPU per stage would be
+    done, total = [0], step_count(options)
+
+    def tick():
+        done[0] += 1
+        records.progress(done[0], total, unit=PROGRESS_UNIT)
+    records.progress(0, total, unit=PROGRESS_UNIT)
     try:
-        check_gradients(ctx, records, options)
-        measure_memory(ctx, records, options)
-        time_schedules(ctx, records, options)
+        check_gradients(ctx, records, options, tick)
+        measure_memory(ctx, records, options, tick)
+        time_schedules(ctx, records, options, tick)
     finally:
         torch.set_num_threads(threads)
     return {"stages": ctx.world_size, "backend": ctx.backend, "device": str(ctx.device), "box_ms": options.box_ms,

@@ -70,12 +70,12 @@ def allreduce_rank_ids(ctx, records, options: Options) -> dict:
     for second in range(int(options.hold_s)):
         if crashes_now(ctx, options) and second == options.fail_after_s:
             raise PlantedCrash(f"rank {ctx.rank} crashed on purpose after {second} s (fail_rank)")
-        records.progress(second, int(options.hold_s))
+        records.progress(second, int(options.hold_s), unit="seconds")
         time.sleep(1.0)
     if crashes_now(ctx, options):
         raise PlantedCrash(f"rank {ctx.rank} crashed on purpose (fail_rank)")
     if options.hold_s:
-        records.progress(int(options.hold_s), int(options.hold_s))
+        records.progress(int(options.hold_s), int(options.hold_s), unit="seconds")
     return {"sum": total, "expected": ctx.world_size * (ctx.world_size - 1) // 2}
 
 

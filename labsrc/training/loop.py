@@ -141,7 +141,7 @@ def _train_steps(model, batches, ctx, cfg: TrainConfig, records, optimizer, loss
             if records is not None:
                 for offset, value in enumerate(fetched):
                     records.write(StepLoss(step=first + offset, loss=value))
-                records.progress(index + 1, cfg.steps)
+                records.progress(index + 1, cfg.steps, unit="steps")
             losses += fetched
             pending.clear()
     if ctx.device.type == "cuda":
