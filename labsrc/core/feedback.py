@@ -19,7 +19,7 @@ _HINTS = {
     "ExerciseFailed": ("Not yet", "Read what the checker says above, change your function, run its cell and this one "
                                   "again."),
     "LaunchInterrupted": ("Stopped", "Nothing of the run is left running. Run the cell again to start over."),
-    "LaunchTimeout": ("Ran past its timeout", "Give the launch a longer timeout=..., or fewer steps."),
+    "LaunchTimeout": ("Ran past its timeout", "The message above says what may help in the profile in force."),
     "RankFailed": ("A rank failed", "The rank's own traceback is above; fix what it points at and run again."),
     "RequestError": ("Not started", "Nothing was started: change the request as the message says."),
 }
