@@ -31,6 +31,7 @@ NODE_ENV, ADDRESS_ENV, LINK_ENV = "LABSRC_NODE", "LABSRC_NODE_ADDRESS", "LABSRC_
 RENDEZVOUS_PORT = 29400  # torchrun's usual port: free in namespaces this run created
 READY_TIMEOUT_S = 30.0
 HOLDER_MODULE = "labsrc.core.network_holder"
+HOLDER_ENV = "LABSRC_NETWORK_HOLDER"  # on every node process: the pid of the holder that owns its namespace
 _UNITS = {"k": 10**3, "m": 10**6, "g": 10**9}
 TOOLS = ("ip", "tc", "nsenter", "unshare")
 
@@ -124,33 +125,56 @@ def availability() -> Availability:
 
 
 def holder_processes() -> list:
-    """Every live holder process on this machine, of any run."""
+    """Every live holder process on this machine, of any run (not its node processes, forked copies of it)."""
     import psutil
-    found = []
-    for proc in psutil.process_iter(["cmdline"]):
+    found = {}
+    for proc in psutil.process_iter(["cmdline", "ppid"]):
         cmdline = proc.info.get("cmdline") or []
         if "-m" in cmdline and HOLDER_MODULE in cmdline:
-            found.append(proc)
-    return found
+            found[proc.pid] = proc
+    return [proc for proc in found.values() if proc.info["ppid"] not in found]
 
 
-def end_stale_holders() -> int:
-    """End holders whose launcher is gone (a crashed run) and every process left in their nodes; how many."""
+def holder_is_live(pid: int) -> bool:
+    """Is `pid` a holder whose launcher still runs (the launcher is its parent)?"""
     import psutil
-    stale = []
-    for proc in holder_processes():
+    try:
+        proc = psutil.Process(pid)
+        cmdline = proc.cmdline()
+        parent = int(cmdline[cmdline.index("--parent") + 1])
+        return HOLDER_MODULE in cmdline and proc.ppid() == parent and psutil.pid_exists(parent)
+    except (psutil.Error, ValueError, IndexError):
+        return False
+
+
+def end_stale_leftovers() -> int:
+    """End what crashed runs left: holders whose launcher is gone, and any process of a node whose holder is gone.
+
+    A node's agent and ranks carry their holder's pid (LABSRC_NETWORK_HOLDER); a network namespace lives as
+    long as a process in it, so ending these frees every namespace, interface and qdisc. Returns how many.
+    """
+    import psutil
+    stale = [proc for proc in holder_processes() if not holder_is_live(proc.pid)]
+    leftovers = processes_in_namespaces(namespaces_of([p for h in stale for p in _family(h)])) if stale else []
+    for proc in psutil.process_iter():
         try:
-            cmdline = proc.cmdline()
-            parent = int(cmdline[cmdline.index("--parent") + 1])
-            if proc.ppid() != parent or not psutil.pid_exists(parent):
-                stale.append(proc)
-        except (psutil.Error, ValueError, IndexError):
+            holder = proc.environ().get(HOLDER_ENV)
+        except (psutil.Error, OSError):
             continue
-    for holder in stale:
-        for proc in processes_in_namespaces(namespaces_of([holder, *holder.children()])):
-            _kill(proc)
-        _kill(holder)
-    return len(stale)
+        # checked now, not from a list made earlier: a run starting beside this one is live, not stale
+        if holder and (not holder.isdigit() or not holder_is_live(int(holder))):
+            leftovers.append(proc)
+    for proc in [*leftovers, *stale]:
+        _kill(proc)
+    return len({p.pid for p in [*leftovers, *stale]})
+
+
+def _family(proc) -> list:
+    import psutil
+    try:
+        return [proc, *proc.children()]
+    except psutil.Error:
+        return [proc]
 
 
 def namespaces_of(procs) -> set[int]:
@@ -165,8 +189,9 @@ def namespaces_of(procs) -> set[int]:
 
 
 def processes_in_namespaces(inodes: set[int]) -> list:
-    """Every live process in one of these network namespaces."""
+    """Every live process in one of these network namespaces (never this machine's or the caller's own)."""
     import psutil
+    inodes = inodes - namespaces_of([psutil.Process(1), psutil.Process()])
     found = []
     for proc in psutil.process_iter():
         try:
@@ -191,7 +216,7 @@ class Network:
 
     def __init__(self, nodes: int, link: Link, how: str):
         from labsrc.core.processes import die_with_parent
-        end_stale_holders()
+        end_stale_leftovers()
         self.nodes, self.link, self.how = nodes, link, how
         wrapper = ["unshare", "--net", "--"] if how == "root" else \
             ["unshare", "--user", "--map-root-user", "--net", "--"]
@@ -239,7 +264,8 @@ class Network:
     def environment(self, node: int) -> dict:
         """What every rank of node `node` gets besides torchrun's variables."""
         return {"GLOO_SOCKET_IFNAME": INTERFACE, "NCCL_SOCKET_IFNAME": INTERFACE, NODE_ENV: str(node),
-                ADDRESS_ENV: self.address(node), LINK_ENV: str(self.link.rate_bits_per_s)}
+                ADDRESS_ENV: self.address(node), LINK_ENV: str(self.link.rate_bits_per_s),
+                HOLDER_ENV: str(self.holder.pid)}
 
     def _command(self, action: str, node: int) -> None:
         if not 0 <= node < self.nodes:
