@@ -214,3 +214,13 @@ def test_nothing_left_after_the_calling_process_is_killed_mid_run(runs):
     kernel.kill()  # SIGKILL: the launcher cannot clean up; the holder and the agents die with it
     kernel.wait()
     assert_nothing_left(before, namespaces, run_dirs[0].name, deadline_s=40)
+
+
+def test_the_doctor_says_whether_emulated_nodes_work_and_why_not(monkeypatch):
+    from labsrc import doctor
+    monkeypatch.setenv(emulated_nodes.SWITCH_ENV, "off")
+    text = doctor.format_report(doctor.report())
+    assert f"emulated nodes (own network stack and shaped link per node): no: {emulated_nodes.SWITCH_ENV}=off" in text
+    monkeypatch.delenv(emulated_nodes.SWITCH_ENV)
+    found = doctor.report()["emulated_nodes"]
+    assert (found["ok"], found["how"], found["reason"]) == (AVAILABLE.ok, AVAILABLE.how, AVAILABLE.reason)

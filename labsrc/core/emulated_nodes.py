@@ -103,7 +103,7 @@ def _probed() -> Availability:
     if os.geteuid() == 0:
         failure = _probe(["unshare", "--net", "--"])
         if not failure:
-            return Availability(True, "root", "running as root: network namespaces, veth pairs and HTB work")
+            return Availability(True, "root", "network namespaces, veth pairs and HTB work as root")
         failures.append(f"as root: {failure}")
     failure = _probe(["unshare", "--user", "--map-root-user", "--net", "--"])
     if not failure:
