@@ -1,0 +1,234 @@
+"""Two levels of network: ranks grouped by node, the hierarchical all-reduce, and the inter-node link timed.
+
+Ranks are contiguous per node, as torchrun numbers them: global rank = node * ranks_per_node + local rank, so
+the node of a rank is rank // ranks_per_node. Two kinds of group follow from that:
+  inside a node:  the ranks of one node, [node * g, ..., node * g + g - 1]       (loopback: fast)
+  across nodes:   the ranks with the same local rank on every node, [l, l + g, ...] (the shaped link: slow)
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+WAIT = datetime.timedelta(seconds=60)  # one message or collective may wait this long, then it raises
+
+
+def reduce_scatter_in(group, output: torch.Tensor, full: torch.Tensor) -> None:
+    """Sum (g * k,) over the group's g ranks, keep this rank's slice (k,): *_single in newer torch, *_tensor in 2.11."""
+    collective = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    _wait(collective(output, full, group=group, async_op=True))
+
+
+def all_gather_in(group, output: torch.Tensor, piece: torch.Tensor) -> None:
+    """Every rank's (k,) piece into (g * k,) output, in group-rank order."""
+    collective = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    _wait(collective(output, piece, group=group, async_op=True))
+
+
+@dataclass(frozen=True)
+class Topology:
+    """nodes x ranks_per_node ranks, contiguous per node."""
+
+    nodes: int
+    ranks_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def inside(self, node: int) -> list[int]:
+        """The ranks of one node."""
+        return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
+
+    def across(self, local_rank: int) -> list[int]:
+        """The ranks with this local rank on every node: one per node."""
+        return [node * self.ranks_per_node + local_rank for node in range(self.nodes)]
+
+    @classmethod
+    def from_environment(cls, world_size: int) -> "Topology":
+        """What torchrun set: LOCAL_WORLD_SIZE ranks per node (the world is one node without it)."""
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        if per_node < 1 or world_size % per_node:
+            raise ValueError(f"{world_size} ranks do not make whole nodes of {per_node}")
+        return cls(world_size // per_node, per_node)
+
+
+@dataclass
+class NodeGroups:
+    """This rank's two groups: its node's ranks (inside) and its peers on the other nodes (across)."""
+
+    topology: Topology
+    inside: object
+    """The process group of this rank's node."""
+    across: object
+    """The process group of this rank's local-rank peers, one per node."""
+    inside_ranks: list
+    across_ranks: list
+
+
+def make_groups(rank: int, topology: Topology, timeout_s: float = 60.0) -> NodeGroups:
+    """Every rank creates every group, in the same order (dist.new_group's rule); each keeps its own two."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    mine = {}
+    for node in range(topology.nodes):
+        ranks = topology.inside(node)
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            mine["inside"] = (group, ranks)
+    for local in range(topology.ranks_per_node):
+        ranks = topology.across(local)
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            mine["across"] = (group, ranks)
+    return NodeGroups(topology, mine["inside"][0], mine["across"][0], mine["inside"][1], mine["across"][1])
+
+
+def _wait(work) -> None:
+    work.wait(WAIT)
+
+
+def hierarchical_all_reduce(tensor: torch.Tensor, groups: NodeGroups) -> dict[str, int]:
+    """Sum `tensor` over every rank in place, in three steps; return the payload bytes each level carried.
+
+    1. reduce-scatter inside the node: rank l of a node holds the node's sum of shard l (N/g elements);
+    2. all-reduce of that shard across nodes, with the ranks that hold the same shard on the other nodes;
+    3. all-gather inside the node: every rank gets every summed shard.
+    Only step 2 crosses the slow link, and it moves N/g elements per rank instead of N. A tensor that g does
+    not divide is padded with zeros to a multiple of g (the padding adds nothing to the sum).
+    Returns {"inside": bytes given to the node's collectives, "across": bytes given to the across group's}.
+    """
+    per_node = len(groups.inside_ranks)
+    flat = tensor.view(-1)
+    shard_size = -(-flat.numel() // per_node)
+    padded = torch.zeros(shard_size * per_node, dtype=tensor.dtype, device=tensor.device)
+    padded[:flat.numel()] = flat
+    shard = torch.empty(shard_size, dtype=tensor.dtype, device=tensor.device)
+    element = tensor.element_size()
+    if per_node > 1:
+        reduce_scatter_in(groups.inside, shard, padded)
+    else:
+        shard.copy_(padded)
+    if len(groups.across_ranks) > 1:
+        _wait(dist.all_reduce(shard, group=groups.across, async_op=True))
+    if per_node > 1:
+        all_gather_in(groups.inside, padded, shard)
+    else:
+        padded.copy_(shard)
+    flat.copy_(padded[:flat.numel()])
+    inside = 2 * padded.numel() * element if per_node > 1 else 0
+    return {"inside": inside, "across": shard.numel() * element if len(groups.across_ranks) > 1 else 0}
+
+
+def flat_all_reduce(tensor: torch.Tensor, groups: NodeGroups | None = None) -> dict[str, int]:
+    """dist.all_reduce over the whole world: gloo's ring, whose every step waits for the slow hop."""
+    _wait(dist.all_reduce(tensor, async_op=True))
+    return {"inside": 0, "across": tensor.numel() * tensor.element_size()}
+
+
+ALGORITHMS = {"flat": flat_all_reduce, "hierarchical": hierarchical_all_reduce}
+
+
+def rank_values(rank: int, size: int) -> torch.Tensor:
+    """(size,) float32 inputs that differ per rank and element; their sums are exact in float32."""
+    return (torch.arange(size, dtype=torch.float32) % 13) + 100 * rank
+
+
+def check_hierarchical(rank: int, groups: NodeGroups, sizes) -> list[dict]:
+    """The hierarchical all-reduce against dist.all_reduce on the same inputs: largest error per size."""
+    rows = []
+    for size in sizes:
+        expected = rank_values(rank, size)
+        _wait(dist.all_reduce(expected, async_op=True))
+        mine = rank_values(rank, size)
+        carried = hierarchical_all_reduce(mine, groups)
+        rows.append({"size": size, "max_error": float((mine - expected).abs().max()),
+                     "inside_bytes": carried["inside"], "across_bytes": carried["across"]})
+    return rows
+
+
+# --- the link between two ranks -----------------------------------------------------------------------------
+
+def _send(tensor, peer):
+    _wait(dist.isend(tensor, peer))
+
+
+def _receive(tensor, peer):
+    _wait(dist.irecv(tensor, peer))
+
+
+def ping_pong_s(rank: int, pair: tuple[int, int], nbytes: int, calls: int) -> float | None:
+    """One-way seconds of an nbytes message between the pair: half the round trip, fastest of `calls`.
+
+    Both ranks of the pair send the same size back and forth; the others return None at once.
+    """
+    if rank not in pair:
+        return None
+    peer = pair[1] if rank == pair[0] else pair[0]
+    tensor = torch.zeros(max(1, nbytes // 4))
+    fastest = float("inf")
+    for _ in range(calls + 1):  # the first round opens the connection
+        start = time.perf_counter()
+        if rank == pair[0]:
+            _send(tensor, peer)
+            _receive(tensor, peer)
+        else:
+            _receive(tensor, peer)
+            _send(tensor, peer)
+        fastest = min(fastest, (time.perf_counter() - start) / 2)
+    return fastest
+
+
+def stream_s(rank: int, pair: tuple[int, int], nbytes: int, messages: int) -> float | None:
+    """Seconds per message from pair[0] to pair[1]: `messages` messages of nbytes back to back, then one reply.
+
+    The sender's clock runs until the receiver's one-element reply arrives, so every byte was received
+    (the reply's latency is shared by all the messages). pair[1] returns the same number, the others None.
+    """
+    if rank not in pair:
+        return None
+    tensor, reply = torch.zeros(max(1, nbytes // 4)), torch.zeros(1)
+    peer = pair[1] if rank == pair[0] else pair[0]
+    start = time.perf_counter()
+    for _ in range(messages):
+        (_send if rank == pair[0] else _receive)(tensor, peer)
+    (_receive if rank == pair[0] else _send)(reply, peer)
+    return (time.perf_counter() - start) / messages
+
+
+def link_pairs(topology: Topology) -> dict[str, tuple[int, int]]:
+    """Which two ranks measure each level: rank 0 with its node's neighbour, and with node 1's first rank."""
+    pairs = {}
+    if topology.ranks_per_node > 1:
+        pairs["inside"] = (0, 1)
+    if topology.nodes > 1:
+        pairs["across"] = (0, topology.ranks_per_node)
+    return pairs
+
+
+def time_all_reduces(groups: NodeGroups, sizes, repeats: int, algorithms=None) -> dict:
+    """{(algorithm, elements): [seconds of each repeat, slowest rank]}, algorithms and sizes interleaved.
+
+    One warm-up round first (connections, allocations); each repeat goes round every (algorithm, size),
+    so a burst of load elsewhere slows one repeat of every point rather than every repeat of one.
+    """
+    algorithms = algorithms or ALGORITHMS
+    tensors = {size: torch.zeros(size) for size in sizes}
+    seconds: dict = {(name, size): [] for name in algorithms for size in sizes}
+    for repeat in range(repeats + 1):
+        for (name, size), row in seconds.items():
+            _wait(dist.barrier(async_op=True))
+            start = time.perf_counter()
+            algorithms[name](tensors[size], groups)
+            if repeat:
+                row.append(time.perf_counter() - start)
+    slowest = torch.tensor(list(seconds.values()), dtype=torch.float64)
+    _wait(dist.all_reduce(slowest, op=dist.ReduceOp.MAX, async_op=True))
+    return {key: row for key, row in zip(seconds, slowest.tolist())}
