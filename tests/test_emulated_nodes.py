@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from labsrc import launch
-from labsrc.core import emulated_nodes
+from labsrc.core import emulated_nodes, network_holder
 from labsrc.core.emulated_nodes import Link, Network, parse_link
 from labsrc.core.world import RequestError
 
@@ -49,10 +49,10 @@ def network_namespaces(network: Network) -> set[int]:
 def assert_nothing_left(before: dict, namespaces: set[int], run_id: str, deadline_s: float = 20) -> None:
     """No process of the run, none in its namespaces (the holder included: so they are freed), the machine as it was."""
     deadline = time.time() + deadline_s
-    while time.time() < deadline and (emulated_nodes.processes_in_namespaces(namespaces)
+    while time.time() < deadline and (network_holder.processes_in_namespaces(namespaces)
                                       or launch.processes_of_run(run_id, None)):
         time.sleep(0.2)
-    assert emulated_nodes.processes_in_namespaces(namespaces) == []
+    assert network_holder.processes_in_namespaces(namespaces) == []
     assert launch.processes_of_run(run_id, None) == []
     assert machine_state() == before
 
@@ -83,7 +83,7 @@ def test_each_node_has_its_own_stack_address_and_no_route_out_and_stale_leftover
     dead = subprocess.Popen(["true"])
     dead.wait()  # a crashed run's leftover: a process in a namespace of its own whose holder is gone
     leftover = subprocess.Popen(["unshare", "--net", "--", "sleep", "120"],
-                                env={**os.environ, emulated_nodes.HOLDER_ENV: str(dead.pid)})
+                                env={**os.environ, network_holder.HOLDER_ENV: str(dead.pid)})
     probe = script(tmp_path, "where_am_i", """\
         import errno, os, socket
         from labsrc.core.runs import RUN_DIR_ENV, RecordWriter
@@ -166,6 +166,32 @@ def test_cut_link_is_a_partition_and_restore_link_heals_it(how):
 
 
 @needs_namespaces
+def test_latency_is_emulated_where_netem_exists_and_refused_with_advice_where_not():
+    link = Link(10**9, latency_s=0.02)
+    if not AVAILABLE.netem:
+        with pytest.raises(RequestError, match="netem.*model the latency"):
+            emulated_nodes.check_request(link, 2)
+        return
+    network = Network(2, link, AVAILABLE.how)
+    try:  # a TCP connect takes one round trip: twice the one-way latency
+        code = ("import socket, time; s = socket.create_server(('198.18.0.1', 5000)); t = time.perf_counter(); "
+                "socket.create_connection(('198.18.0.1', 5000)); print(time.perf_counter() - t)")
+        local = subprocess.run([*network.enter(0), sys.executable, "-c", code], capture_output=True, text=True)
+        listener = subprocess.Popen([*network.enter(1), sys.executable, "-c",
+                                     "import socket, time; s = socket.create_server(('198.18.0.2', 5000)); "
+                                     "time.sleep(30)"])
+        time.sleep(1)
+        code = ("import socket, time; t = time.perf_counter(); socket.create_connection(('198.18.0.2', 5000)); "
+                "print(time.perf_counter() - t)")
+        remote = subprocess.run([*network.enter(0), sys.executable, "-c", code], capture_output=True, text=True)
+        listener.kill()
+        listener.wait()
+    finally:
+        network.close()
+    assert float(local.stdout) < 0.01 and 0.04 <= float(remote.stdout) < 0.2, (local, remote)
+
+
+@needs_namespaces
 def test_nothing_left_after_a_run_ends_or_fails(runs):
     before = machine_state()
     started = launch.start("setup", nproc=1, nnodes=2, link="1gbit", timeout=120, echo=False)
@@ -202,14 +228,14 @@ def test_nothing_left_after_the_calling_process_is_killed_mid_run(runs):
     """)], env={**os.environ, "PYTHONPATH": str(REPO)})
     deadline, holder = time.time() + 60, None
     while holder is None and time.time() < deadline:
-        holder = next((h for h in emulated_nodes.holder_processes() if str(kernel.pid) in h.cmdline()), None)
+        holder = next((h for h in network_holder.holder_processes() if str(kernel.pid) in h.cmdline()), None)
         time.sleep(0.2)
     assert holder is not None, "the run never built its network"
     run_dirs = []
     while not run_dirs and time.time() < deadline:  # agents started: the namespaces are in use
         run_dirs = [d for d in runs.glob("setup/*") if (d / "attempts.jsonl").exists()]
         time.sleep(0.2)
-    namespaces = emulated_nodes.namespaces_of([holder, *holder.children()])
+    namespaces = network_holder.namespaces_of([holder, *holder.children()])
     assert len(namespaces) == 3 and run_dirs
     kernel.kill()  # SIGKILL: the launcher cannot clean up; the holder and the agents die with it
     kernel.wait()

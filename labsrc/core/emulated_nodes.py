@@ -8,7 +8,8 @@ over its loopback (fast); ranks on different nodes cross two shaped hops (node -
 process (labsrc.core.network_holder) owns every namespace: they vanish with it, and it dies with the launcher.
 Works as root, or for any user through a user namespace where the kernel allows it; `availability()` says which,
 or why not and what would enable it. Latency (netem) is not emulated: where the kernel has netem the holder
-says so (`Network.netem`), and the lessons model latency.
+lets a Link add latency (`Link(rate, latency_s=...)`); where it has not (availability().netem False) the
+lessons model latency instead.
 """
 from __future__ import annotations
 
@@ -23,15 +24,13 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from labsrc.core.network_holder import INTERFACE, node_address
+from labsrc.core.network_holder import HOLDER_ENV, HOLDER_MODULE, INTERFACE, end_stale_leftovers, node_address
 from labsrc.core.world import RequestError
 
 SWITCH_ENV = "LABSRC_EMULATED_NODES"  # "off": behave as if emulated nodes were unavailable
 NODE_ENV, ADDRESS_ENV, LINK_ENV = "LABSRC_NODE", "LABSRC_NODE_ADDRESS", "LABSRC_LINK_BITS"
 RENDEZVOUS_PORT = 29400  # torchrun's usual port: free in namespaces this run created
 READY_TIMEOUT_S = 30.0
-HOLDER_MODULE = "labsrc.core.network_holder"
-HOLDER_ENV = "LABSRC_NETWORK_HOLDER"  # on every node process: the pid of the holder that owns its namespace
 _UNITS = {"k": 10**3, "m": 10**6, "g": 10**9}
 TOOLS = ("ip", "tc", "nsenter", "unshare")
 
@@ -42,8 +41,13 @@ class Link:
 
     rate_bits_per_s: int
     """Bits per second each way, e.g. 100_000_000 for 100 Mbit/s."""
+    latency_s: float = 0.0
+    """One-way delay added between two nodes (half on each hop), by netem; 0: none (only where netem exists)."""
 
     def __post_init__(self):
+        if isinstance(self.latency_s, bool) or not isinstance(self.latency_s, (int, float)) \
+                or not 0 <= self.latency_s <= 1:
+            raise RequestError(f"a link's latency_s must be 0 to 1 s (got {self.latency_s!r}).")
         if isinstance(self.rate_bits_per_s, bool) or not isinstance(self.rate_bits_per_s, int) \
                 or not 10**5 <= self.rate_bits_per_s <= 10**11:
             raise RequestError(f"a link's rate must be a whole number of bit/s from 100 kbit/s to 100 Gbit/s "
@@ -77,17 +81,26 @@ class Availability:
     how: str
     """"root", "user namespace", or "" when not ok."""
     reason: str
+    netem: bool = False
+    """Whether the kernel has netem, so a Link may add latency (else latency is only modelled)."""
 
 
-def _probe(command: list[str]) -> str:
-    """'' when building a shaped veth pair and a bridge works under `command`, else what went wrong."""
+def _probe(command: list[str]) -> tuple[str, bool]:
+    """('' or what went wrong building a shaped veth pair and a bridge under `command`, whether netem works)."""
     script = ("ip link add probe0 type veth peer name probe1 && ip link add probebr type bridge && "
-              "tc qdisc add dev probe0 root handle 1: htb default 10")
+              "tc qdisc add dev probe0 root handle 1: htb default 10 && "
+              "{ tc qdisc add dev probe1 root netem delay 1ms 2>/dev/null && echo netem; true; }")
     try:
         done = subprocess.run([*command, "sh", "-c", script], capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        return str(exc)
-    return "" if done.returncode == 0 else (done.stderr or done.stdout).strip() or f"exit {done.returncode}"
+        return str(exc), False
+    if done.returncode != 0:
+        return (done.stderr or done.stdout).strip() or f"exit {done.returncode}", False
+    return "", done.stdout.strip() == "netem"
+
+
+_NETEM = {True: "; netem too (links may add latency)",
+          False: "; no netem in this kernel: latency is modelled, not emulated"}
 
 
 @functools.lru_cache(maxsize=1)
@@ -101,14 +114,15 @@ def _probed() -> Availability:
                                        f"and util-linux (nsenter, unshare).")
     failures = []
     if os.geteuid() == 0:
-        failure = _probe(["unshare", "--net", "--"])
+        failure, netem = _probe(["unshare", "--net", "--"])
         if not failure:
-            return Availability(True, "root", "network namespaces, veth pairs and HTB work as root")
+            return Availability(True, "root", "network namespaces, veth pairs and HTB work as root" + _NETEM[netem],
+                                netem)
         failures.append(f"as root: {failure}")
-    failure = _probe(["unshare", "--user", "--map-root-user", "--net", "--"])
+    failure, netem = _probe(["unshare", "--user", "--map-root-user", "--net", "--"])
     if not failure:
         return Availability(True, "user namespace", "unprivileged user namespaces are allowed: each run "
-                                                    "builds its network inside one")
+                                                    "builds its network inside one" + _NETEM[netem], netem)
     failures.append(f"in a user namespace: {failure}")
     return Availability(False, "", "network namespaces with shaped links could not be built here ("
                         + "; ".join(failures) + "). Run as root (e.g. in a container with --cap-add NET_ADMIN "
@@ -117,98 +131,25 @@ def _probed() -> Availability:
                         "kernel.apparmor_restrict_unprivileged_userns=0).")
 
 
+def check_request(link, nodes: int) -> tuple[Link, str]:
+    """The link asked for and how to build it, or RequestError saying why not (before anything starts)."""
+    link = parse_link(link)
+    if nodes < 2:
+        raise RequestError(f"link={link.label!r} joins nodes: ask for two or more (nnodes=2).")
+    found = availability()
+    if not found.ok:
+        raise RequestError(f"emulated nodes are not available here: {found.reason}")
+    if link.latency_s and not found.netem:
+        raise RequestError(f"latency_s={link.latency_s:g} needs the netem qdisc, which this kernel lacks: give "
+                           f"latency_s=0 and model the latency (the alpha term) instead.")
+    return link, found.how
+
+
 def availability() -> Availability:
     """Whether emulated nodes work on this machine (probed once per process); LABSRC_EMULATED_NODES=off says no."""
     if os.environ.get(SWITCH_ENV, "").strip().lower() == "off":
         return Availability(False, "", f"{SWITCH_ENV}=off is set: unset it to use emulated nodes.")
     return _probed()
-
-
-def holder_processes() -> list:
-    """Every live holder process on this machine, of any run (not its node processes, forked copies of it)."""
-    import psutil
-    found = {}
-    for proc in psutil.process_iter(["cmdline", "ppid"]):
-        cmdline = proc.info.get("cmdline") or []
-        if "-m" in cmdline and HOLDER_MODULE in cmdline:
-            found[proc.pid] = proc
-    return [proc for proc in found.values() if proc.info["ppid"] not in found]
-
-
-def holder_is_live(pid: int) -> bool:
-    """Is `pid` a holder whose launcher still runs (the launcher is its parent)?"""
-    import psutil
-    try:
-        proc = psutil.Process(pid)
-        cmdline = proc.cmdline()
-        parent = int(cmdline[cmdline.index("--parent") + 1])
-        return HOLDER_MODULE in cmdline and proc.ppid() == parent and psutil.pid_exists(parent)
-    except (psutil.Error, ValueError, IndexError):
-        return False
-
-
-def end_stale_leftovers() -> int:
-    """End what crashed runs left: holders whose launcher is gone, and any process of a node whose holder is gone.
-
-    A node's agent and ranks carry their holder's pid (LABSRC_NETWORK_HOLDER); a network namespace lives as
-    long as a process in it, so ending these frees every namespace, interface and qdisc. Returns how many.
-    """
-    import psutil
-    stale = [proc for proc in holder_processes() if not holder_is_live(proc.pid)]
-    leftovers = processes_in_namespaces(namespaces_of([p for h in stale for p in _family(h)])) if stale else []
-    for proc in psutil.process_iter():
-        try:
-            holder = proc.environ().get(HOLDER_ENV)
-        except (psutil.Error, OSError):
-            continue
-        # checked now, not from a list made earlier: a run starting beside this one is live, not stale
-        if holder and (not holder.isdigit() or not holder_is_live(int(holder))):
-            leftovers.append(proc)
-    for proc in [*leftovers, *stale]:
-        _kill(proc)
-    return len({p.pid for p in [*leftovers, *stale]})
-
-
-def _family(proc) -> list:
-    import psutil
-    try:
-        return [proc, *proc.children()]
-    except psutil.Error:
-        return [proc]
-
-
-def namespaces_of(procs) -> set[int]:
-    """The network namespaces (inode numbers) the processes are in."""
-    found = set()
-    for proc in procs:
-        try:
-            found.add(os.stat(f"/proc/{proc.pid}/ns/net").st_ino)
-        except OSError:
-            pass
-    return found
-
-
-def processes_in_namespaces(inodes: set[int]) -> list:
-    """Every live process in one of these network namespaces (never this machine's or the caller's own)."""
-    import psutil
-    inodes = inodes - namespaces_of([psutil.Process(1), psutil.Process()])
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if os.stat(f"/proc/{proc.pid}/ns/net").st_ino in inodes:
-                found.append(proc)
-        except OSError:
-            continue
-    return found
-
-
-def _kill(proc) -> None:
-    import psutil
-    try:
-        proc.kill()
-        proc.wait(2)
-    except psutil.Error:
-        pass
 
 
 class Network:
@@ -221,7 +162,8 @@ class Network:
         wrapper = ["unshare", "--net", "--"] if how == "root" else \
             ["unshare", "--user", "--map-root-user", "--net", "--"]
         command = [*wrapper, sys.executable, "-m", HOLDER_MODULE, "--nodes", str(nodes),
-                   "--rate", str(link.rate_bits_per_s), "--parent", str(os.getpid())]
+                   "--rate", str(link.rate_bits_per_s), "--delay-us", str(round(link.latency_s * 1e6 / 2)),
+                   "--parent", str(os.getpid())]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
             os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), os.environ.get("PYTHONPATH")])))
         self.holder = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -232,7 +174,6 @@ class Network:
             self.close()
             raise RequestError(f"emulated nodes could not be built: {ready['error']}")
         self.node_pids: list[int] = ready["nodes"]
-        self.netem: bool = ready.get("netem", False)
 
     def _answer(self, timeout: float) -> dict:
         """The holder's next JSON line, or an error if it says nothing in time or dies."""

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from labsrc.core import emulated_nodes, runs
 from labsrc.core.launch_request import (Nodes, Target, check_args, check_number, check_port, check_profile,
-                                        free_port, parse_nodes, resolve_target)
+                                        free_port, lab_options_argv, parse_nodes, resolve_target)
 from labsrc.core.launch_result import LOG_FILE, LaunchError, LaunchTimeout, RankFailed, RunResult, failure
 from labsrc.core.processes import RUN_ID_ENV, end_run, processes_of_run, terminate_with_parent
 from labsrc.core.progress import make_progress
@@ -75,16 +75,6 @@ def child_environment(ranks: int, run_dir: Path, run_id: str, backend: str | Non
     return env
 
 
-def lab_options_argv(module: str, options: dict, world_size: int) -> list[str]:
-    """A course lab's typed options as flags, checked (also against the world size) before anything starts."""
-    import importlib
-    from labsrc.core.options import LabOptions
-    options_class = getattr(importlib.import_module(module), "Options", LabOptions)
-    checked = options_class.make(**options)
-    checked.check_world(world_size)
-    return checked.to_argv()
-
-
 class Launch:
     """A started run: one torchrun agent per node. `wait()` returns its RunResult; `end_node(i)` loses one.
 
@@ -133,20 +123,18 @@ class Launch:
 
     def cut_link(self, node: int) -> None:
         """Take emulated node `node`'s link down (a real partition: its processes live on, unreachable)."""
-        self._network_for("cut_link").cut(node)
-        self._log.write(f"[launch] node {node}'s link cut (cut_link)\n".encode())
-        self._log.flush()
+        self._change_link("cut", node)
 
     def restore_link(self, node: int) -> None:
         """Bring emulated node `node`'s link back up after cut_link."""
-        self._network_for("restore_link").restore(node)
-        self._log.write(f"[launch] node {node}'s link restored (restore_link)\n".encode())
-        self._log.flush()
+        self._change_link("restore", node)
 
-    def _network_for(self, action: str) -> emulated_nodes.Network:
+    def _change_link(self, action: str, node: int) -> None:
         if self.network is None:
-            raise RequestError(f"{action} needs emulated nodes: start the run with a link (link=\"1gbit\").")
-        return self.network
+            raise RequestError(f"{action}_link needs emulated nodes: start the run with a link (link=\"1gbit\").")
+        getattr(self.network, action)(node)
+        self._log.write(f"[launch] node {node}'s link: {action} ({action}_link)\n".encode())
+        self._log.flush()
 
     def end_node(self, node: int) -> None:
         """Lose simulated node `node` at once: its torchrun agent and its ranks are killed (SIGKILL)."""
@@ -280,12 +268,7 @@ def start(target: str, nproc: int = 2, args: list | tuple = (), timeout: float =
     check_profile(profile)
     target_args = check_args(args)
     if link is not None:
-        link = emulated_nodes.parse_link(link)
-        if nodes.maximum == 1:
-            raise RequestError(f"link={link.label!r} joins nodes: ask for two or more (nnodes=2).")
-        emulated = emulated_nodes.availability()
-        if not emulated.ok:
-            raise RequestError(f"emulated nodes are not available here: {emulated.reason}")
+        link, how = emulated_nodes.check_request(link, nodes.maximum)
     if port is not None:
         check_port(port)
     resolved = resolve_target(target)
@@ -303,7 +286,7 @@ def start(target: str, nproc: int = 2, args: list | tuple = (), timeout: float =
         commands = [torchrun_command(resolved, nproc, nodes, target_args, run_dir.name, max_restarts, port)
                     for _ in range(nodes.maximum)]
         return Launch(resolved, nproc, nodes, run_dir, commands, child_env, timeout, echo, check)
-    network = emulated_nodes.Network(nodes.maximum, link, emulated.how)
+    network = emulated_nodes.Network(nodes.maximum, link, how)
     commands = [network.enter(i) + torchrun_command(resolved, nproc, nodes, target_args, run_dir.name,
                                                     max_restarts, port, network.address(i), network.address(0),
                                                     is_host=i == 0)

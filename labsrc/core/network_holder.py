@@ -11,6 +11,7 @@ The namespaces have no names (no `ip netns add`): they live exactly as long as t
 holder dies with its parent (PR_SET_PDEATHSIG, and end of its stdin), the node processes die with the holder.
 It prints one JSON line when ready ({"nodes": [pid, ...], "netem": bool}) or {"error": "..."}, then answers
 commands on stdin, one per line: "cut I", "restore I" (the node's link down/up), "end".
+Below the holder program: how a launcher finds holders and what a crashed run left (`end_stale_leftovers`).
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ import sys
 
 CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
+HOLDER_MODULE = "labsrc.core.network_holder"
+HOLDER_ENV = "LABSRC_NETWORK_HOLDER"  # on every node process: the pid of the holder that owns its namespace
 SWITCH = "switch"
 INTERFACE = "eth0"
 NETWORK = "198.18.0.0/15"  # RFC 2544's benchmarking range: never routed on the internet
@@ -47,11 +50,14 @@ def die_with(sig: int, parent: int) -> None:
         os._exit(1)
 
 
-def shaping(device: str, rate_bits: int) -> list[str]:
-    """tc -batch lines: every packet leaving `device` goes through one HTB class at `rate_bits` bit/s."""
+def shaping(device: str, rate_bits: int, delay_us: int = 0) -> list[str]:
+    """tc -batch lines: every packet leaving `device` goes through one HTB class at `rate_bits` bit/s (then netem)."""
     rate = f"{rate_bits}bit"
-    return [f"qdisc add dev {device} root handle 1: htb default 10",
-            f"class add dev {device} parent 1: classid 1:10 htb rate {rate} ceil {rate} quantum {HTB_QUANTUM}"]
+    lines = [f"qdisc add dev {device} root handle 1: htb default 10",
+             f"class add dev {device} parent 1: classid 1:10 htb rate {rate} ceil {rate} quantum {HTB_QUANTUM}"]
+    if delay_us:
+        lines.append(f"qdisc add dev {device} parent 1:10 handle 10: netem delay {delay_us}us limit 100000")
+    return lines
 
 
 def run(command: list[str], stdin: str | None = None) -> None:
@@ -90,22 +96,7 @@ def start_node(holder: int) -> int:
     return pid
 
 
-def netem_available() -> bool:
-    """Can this kernel emulate latency (the netem qdisc)? Tried on a throwaway dummy device in the switch."""
-    try:
-        run(["ip", "link", "add", "probe", "type", "dummy"])
-    except (RuntimeError, OSError):
-        return False
-    try:
-        run(["tc", "qdisc", "add", "dev", "probe", "root", "netem", "delay", "1ms"])
-        return True
-    except (RuntimeError, OSError):
-        return False
-    finally:
-        subprocess.run(["ip", "link", "del", "probe"], capture_output=True)
-
-
-def build(nodes: int, rate_bits: int) -> list[int]:
+def build(nodes: int, rate_bits: int, delay_us: int) -> list[int]:
     """The switch here, `nodes` node namespaces around it, every link shaped; the node processes' pids."""
     run(["ip", "-batch", "-"], f"link set lo up\nlink add {SWITCH} type bridge\nlink set {SWITCH} up\n")
     pids = []
@@ -115,11 +106,11 @@ def build(nodes: int, rate_bits: int) -> list[int]:
         port = f"node{node}"
         run(["ip", "link", "add", port, "type", "veth", "peer", "name", INTERFACE, "netns", str(pid)])
         run(["ip", "-batch", "-"], f"link set {port} master {SWITCH}\nlink set {port} up\n")
-        run(["tc", "-batch", "-"], "\n".join(shaping(port, rate_bits)) + "\n")
+        run(["tc", "-batch", "-"], "\n".join(shaping(port, rate_bits, delay_us)) + "\n")
         run(in_namespace(pid, ["ip", "-batch", "-"]),
             f"link set lo up\nlink set {INTERFACE} addrgenmode none\n"
             f"addr add {node_address(node)}/15 dev {INTERFACE}\nlink set {INTERFACE} up\n")
-        run(in_namespace(pid, ["tc", "-batch", "-"]), "\n".join(shaping(INTERFACE, rate_bits)) + "\n")
+        run(in_namespace(pid, ["tc", "-batch", "-"]), "\n".join(shaping(INTERFACE, rate_bits, delay_us)) + "\n")
     return pids
 
 
@@ -143,10 +134,98 @@ def serve(nodes: int) -> None:
             print(json.dumps({"error": str(exc)}), flush=True)
 
 
+def holder_processes() -> list:
+    """Every live holder process on this machine, of any run (not its node processes, forked copies of it)."""
+    import psutil
+    found = {}
+    for proc in psutil.process_iter(["cmdline", "ppid"]):
+        cmdline = proc.info.get("cmdline") or []
+        if "-m" in cmdline and HOLDER_MODULE in cmdline:
+            found[proc.pid] = proc
+    return [proc for proc in found.values() if proc.info["ppid"] not in found]
+
+
+def holder_is_live(pid: int) -> bool:
+    """Is `pid` a holder whose launcher still runs (the launcher is its parent)?"""
+    import psutil
+    try:
+        proc = psutil.Process(pid)
+        cmdline = proc.cmdline()
+        parent = int(cmdline[cmdline.index("--parent") + 1])
+        return HOLDER_MODULE in cmdline and proc.ppid() == parent and psutil.pid_exists(parent)
+    except (psutil.Error, ValueError, IndexError):
+        return False
+
+
+def end_stale_leftovers() -> int:
+    """End what crashed runs left: holders whose launcher is gone, and any process of a node whose holder is gone.
+
+    A node's agent and ranks carry their holder's pid (LABSRC_NETWORK_HOLDER); a network namespace lives as
+    long as a process in it, so ending these frees every namespace, interface and qdisc. Returns how many.
+    """
+    import psutil
+    stale = [proc for proc in holder_processes() if not holder_is_live(proc.pid)]
+    leftovers = processes_in_namespaces(namespaces_of([p for h in stale for p in _family(h)])) if stale else []
+    for proc in psutil.process_iter():
+        try:
+            holder = proc.environ().get(HOLDER_ENV)
+        except (psutil.Error, OSError):
+            continue
+        # checked now, not from a list made earlier: a run starting beside this one is live, not stale
+        if holder and (not holder.isdigit() or not holder_is_live(int(holder))):
+            leftovers.append(proc)
+    for proc in [*leftovers, *stale]:
+        _kill(proc)
+    return len({p.pid for p in [*leftovers, *stale]})
+
+
+def _family(proc) -> list:
+    import psutil
+    try:
+        return [proc, *proc.children()]
+    except psutil.Error:
+        return [proc]
+
+
+def namespaces_of(procs) -> set[int]:
+    """The network namespaces (inode numbers) the processes are in."""
+    found = set()
+    for proc in procs:
+        try:
+            found.add(os.stat(f"/proc/{proc.pid}/ns/net").st_ino)
+        except OSError:
+            pass
+    return found
+
+
+def processes_in_namespaces(inodes: set[int]) -> list:
+    """Every live process in one of these network namespaces (never this machine's or the caller's own)."""
+    import psutil
+    inodes = inodes - namespaces_of([psutil.Process(1), psutil.Process()])
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if os.stat(f"/proc/{proc.pid}/ns/net").st_ino in inodes:
+                found.append(proc)
+        except OSError:
+            continue
+    return found
+
+
+def _kill(proc) -> None:
+    import psutil
+    try:
+        proc.kill()
+        proc.wait(2)
+    except psutil.Error:
+        pass
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labsrc.core.network_holder")
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--rate", type=int, required=True, help="each link's rate in bit/s")
+    parser.add_argument("--delay-us", type=int, default=0, help="netem delay on each hop (two hops node to node)")
     parser.add_argument("--parent", type=int, required=True, help="the launcher's pid: the holder dies with it")
     options = parser.parse_args(argv)
     die_with(signal.SIGKILL, options.parent)
@@ -155,8 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not 1 <= options.nodes <= MAX_NODES or options.rate <= 0:
             raise RuntimeError(f"nodes must be 1..{MAX_NODES} and rate positive")
-        children = build(options.nodes, options.rate)
-        print(json.dumps({"nodes": children, "netem": netem_available()}), flush=True)
+        children = build(options.nodes, options.rate, options.delay_us)
+        print(json.dumps({"nodes": children}), flush=True)
         serve(options.nodes)
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
