@@ -29,16 +29,15 @@ def throughput_ratio(result) -> float | None:
     return rows[0]["bytes_per_s"] / rows[0]["set_bytes_per_s"]
 
 
-def all_reduce_rows(result, wrong_link: bool = False) -> list[dict]:
+def all_reduce_rows(result, across: AlphaBeta | None = None) -> list[dict]:
     """Per (algorithm, bytes): fastest measured seconds, its model's prediction and relative error.
 
     The model of each algorithm (across_nodes_model.MODELS) on the fitted links; lesson 06's extrapolation
-    beside it. wrong_link=True puts the inside link on the across hop (the mistake the check must catch).
+    beside it. `across` replaces the fitted inter-node link: given a node's inside link, it makes the mistake
+    the check must catch (a run of one rank per node has no inside link of its own: take another run's).
     """
     fitted, shape = links(result), topology(result)
-    inside, across = fitted.get("inside"), fitted["across"]
-    if wrong_link:
-        across = inside or across
+    inside, across = fitted.get("inside"), across or fitted["across"]
     rows = []
     for record in result.of_kind("all_reduce", rank=0):
         predicted = MODELS[record["algorithm"]](record["bytes"], shape, inside, across)
