@@ -35,8 +35,8 @@ class Options(LabOptions):
     """Which of link, all_reduce, parallelism (2 nodes of 2 ranks only), local_sgd to run."""
     link_seconds: float = 0.08
     """About how long the largest message of a sweep takes on the link: sizes = rate x this."""
-    repeats: int = 3
-    """Timed repeats per point (after one warm-up round), interleaved."""
+    repeats: int = 5
+    """Timed repeats per point (after one warm-up round), interleaved; the fastest is kept."""
     sgd_steps: int = 32
     """Local SGD steps per run."""
     sgd_everies: tuple[int, ...] = (1, 4, 16)

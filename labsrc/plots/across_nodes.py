@@ -8,7 +8,8 @@ from labsrc.plots import new_axes
 
 def _where(result) -> str:
     bits = analysis.link_bits(result)
-    shape = f"{result.summary['nodes']} nodes x {result.summary['ranks_per_node']} ranks"
+    per_node = result.summary["ranks_per_node"]
+    shape = f"{result.summary['nodes']} nodes x {per_node} rank{'s' if per_node > 1 else ''}"
     return f"{shape}, {bits / 1e6:g} Mbit/s link" if bits else f"{shape}, loopback only"
 
 
