@@ -211,7 +211,13 @@ def test_nothing_left_after_an_interrupt(runs):
     before = machine_state()
     started = launch.start("setup", nproc=1, nnodes=2, link="1gbit", timeout=120, echo=False, hold_s=60)
     namespaces = network_namespaces(started.network)
-    interrupt = threading.Timer(4.0, os.kill, (os.getpid(), signal.SIGINT))  # the notebook's Stop button
+    def stop_once_ranks_run():  # the notebook's Stop button, pressed while the ranks run
+        deadline = time.time() + 60
+        while not (started.run_dir / "attempts.jsonl").exists() and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(1)
+        os.kill(os.getpid(), signal.SIGINT)
+    interrupt = threading.Thread(target=stop_once_ranks_run)
     interrupt.start()
     with pytest.raises(KeyboardInterrupt):
         started.wait()
