@@ -256,3 +256,14 @@ def test_the_doctor_says_whether_emulated_nodes_work_and_why_not(monkeypatch):
     monkeypatch.delenv(emulated_nodes.SWITCH_ENV)
     found = doctor.report()["emulated_nodes"]
     assert (found["ok"], found["how"], found["reason"]) == (AVAILABLE.ok, AVAILABLE.how, AVAILABLE.reason)
+
+
+@needs_namespaces
+def test_a_network_that_cannot_be_built_says_why_and_leaves_nothing():
+    if AVAILABLE.netem:
+        pytest.skip("this kernel has netem: the failure planted here (a netem qdisc) would succeed")
+    before = machine_state()
+    with pytest.raises(RequestError, match="could not be built: .*netem"):
+        Network(2, Link(10**9, latency_s=0.01), AVAILABLE.how)  # check_request would refuse it; the holder fails
+    assert [h for h in network_holder.holder_processes() if str(os.getpid()) in h.cmdline()] == []
+    assert machine_state() == before

@@ -7,9 +7,8 @@ bridge in one more namespace); both directions of each node's link are shaped wi
 over its loopback (fast); ranks on different nodes cross two shaped hops (node -> switch -> node). One holder
 process (labsrc.core.network_holder) owns every namespace: they vanish with it, and it dies with the launcher.
 Works as root, or for any user through a user namespace where the kernel allows it; `availability()` says which,
-or why not and what would enable it. Latency (netem) is not emulated: where the kernel has netem the holder
-lets a Link add latency (`Link(rate, latency_s=...)`); where it has not (availability().netem False) the
-lessons model latency instead.
+or why not and what would enable it. Latency: a Link adds it (`Link(rate, latency_s=...)`) only where the
+kernel has the netem qdisc (availability().netem); where it has not, the lessons model latency instead.
 """
 from __future__ import annotations
 

@@ -64,7 +64,8 @@ def run(command: list[str], stdin: str | None = None) -> None:
     """Run a setup command; on failure raise with what it said."""
     done = subprocess.run(command, input=stdin, capture_output=True, text=True, timeout=20)
     if done.returncode != 0:
-        raise RuntimeError(f"`{' '.join(command)}` failed: {(done.stderr or done.stdout).strip()}")
+        given = f" given {stdin.strip()!r}" if stdin else ""
+        raise RuntimeError(f"`{' '.join(command)}`{given} failed: {(done.stderr or done.stdout).strip()}")
 
 
 def in_namespace(pid: int, command: list[str]) -> list[str]:
@@ -96,10 +97,9 @@ def start_node(holder: int) -> int:
     return pid
 
 
-def build(nodes: int, rate_bits: int, delay_us: int) -> list[int]:
-    """The switch here, `nodes` node namespaces around it, every link shaped; the node processes' pids."""
+def build(nodes: int, rate_bits: int, delay_us: int, pids: list[int]) -> None:
+    """The switch here, `nodes` node namespaces around it, every link shaped; node processes' pids go to `pids`."""
     run(["ip", "-batch", "-"], f"link set lo up\nlink add {SWITCH} type bridge\nlink set {SWITCH} up\n")
-    pids = []
     for node in range(nodes):
         pid = start_node(os.getpid())
         pids.append(pid)
@@ -111,7 +111,6 @@ def build(nodes: int, rate_bits: int, delay_us: int) -> list[int]:
             f"link set lo up\nlink set {INTERFACE} addrgenmode none\n"
             f"addr add {node_address(node)}/15 dev {INTERFACE}\nlink set {INTERFACE} up\n")
         run(in_namespace(pid, ["tc", "-batch", "-"]), "\n".join(shaping(INTERFACE, rate_bits, delay_us)) + "\n")
-    return pids
 
 
 def serve(nodes: int) -> None:
@@ -234,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if not 1 <= options.nodes <= MAX_NODES or options.rate <= 0:
             raise RuntimeError(f"nodes must be 1..{MAX_NODES} and rate positive")
-        children = build(options.nodes, options.rate, options.delay_us)
+        build(options.nodes, options.rate, options.delay_us, children)  # children fills as nodes start
         print(json.dumps({"nodes": children}), flush=True)
         serve(options.nodes)
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
