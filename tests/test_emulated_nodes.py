@@ -18,6 +18,7 @@ from labsrc.core.world import RequestError
 AVAILABLE = emulated_nodes.availability()
 needs_namespaces = pytest.mark.skipif(not AVAILABLE.ok, reason=f"emulated nodes unavailable: {AVAILABLE.reason}")
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
