@@ -108,8 +108,10 @@ def hierarchical_all_reduce(tensor: torch.Tensor, groups: NodeGroups) -> dict[st
     per_node = len(groups.inside_ranks)
     flat = tensor.view(-1)
     shard_size = -(-flat.numel() // per_node)
-    padded = torch.zeros(shard_size * per_node, dtype=tensor.dtype, device=tensor.device)
-    padded[:flat.numel()] = flat
+    padded = flat  # g divides N: the collectives work on the tensor itself, no copy
+    if shard_size * per_node != flat.numel():
+        padded = torch.zeros(shard_size * per_node, dtype=tensor.dtype, device=tensor.device)
+        padded[:flat.numel()] = flat
     shard = torch.empty(shard_size, dtype=tensor.dtype, device=tensor.device)
     element = tensor.element_size()
     if per_node > 1:
@@ -122,7 +124,8 @@ def hierarchical_all_reduce(tensor: torch.Tensor, groups: NodeGroups) -> dict[st
         all_gather_in(groups.inside, padded, shard)
     else:
         padded.copy_(shard)
-    flat.copy_(padded[:flat.numel()])
+    if padded is not flat:
+        flat.copy_(padded[:flat.numel()])
     inside = 2 * padded.numel() * element if per_node > 1 else 0
     return {"inside": inside, "across": shard.numel() * element if len(groups.across_ranks) > 1 else 0}
 
@@ -203,14 +206,21 @@ def stream_s(rank: int, pair: tuple[int, int], nbytes: int, messages: int) -> fl
     return (time.perf_counter() - start) / messages
 
 
-def link_pairs(topology: Topology) -> dict[str, tuple[int, int]]:
-    """Which two ranks measure each level: rank 0 with its node's neighbour, and with node 1's first rank."""
-    pairs = {}
-    if topology.ranks_per_node > 1:
-        pairs["inside"] = (0, 1)
-    if topology.nodes > 1:
-        pairs["across"] = (0, topology.ranks_per_node)
-    return pairs
+def across_pair(topology: Topology) -> tuple[int, int]:
+    """The two ranks that time the inter-node link: rank 0 and the first rank of node 1."""
+    return 0, topology.ranks_per_node
+
+
+def inside_phases(tensor: torch.Tensor, groups: NodeGroups) -> dict[str, int]:
+    """The hierarchical all-reduce's inside half alone: reduce-scatter then all-gather on the node's group.
+
+    Together they are an all-reduce within the node, run by the same collectives the hierarchy uses (on gloo they
+    cost more than its own all_reduce); every node's group runs at once. The tensor's size must divide by g.
+    """
+    shard = torch.empty(tensor.numel() // len(groups.inside_ranks), dtype=tensor.dtype)
+    reduce_scatter_in(groups.inside, shard, tensor.view(-1))
+    all_gather_in(groups.inside, tensor.view(-1), shard)
+    return {"inside": 2 * tensor.numel() * tensor.element_size(), "across": 0}
 
 
 def time_all_reduces(groups: NodeGroups, sizes, repeats: int, algorithms=None) -> dict:

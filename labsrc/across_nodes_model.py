@@ -1,8 +1,10 @@
 """The cost of crossing nodes: the link's alpha-beta fit, the flat ring and the hierarchical all-reduce predicted.
 
 Two links, never mixed up (each an AlphaBeta per message between two ranks):
-  inside  two ranks of one node (loopback here, NVLink on a GPU server);
-  across  two ranks on different nodes (the shaped link here, a NIC and a switch on a cluster).
+  inside  two ranks of one node (loopback here, NVLink on a GPU server): the per-message link behind the node's
+          reduce-scatter + all-gather (alpha_beta.ring_link of their fit), timed with every node's group at once,
+          so it holds the hierarchy's inside collectives as they run, CPU sharing included;
+  across  two ranks on different nodes (the shaped link here, a NIC and a switch on a cluster): `fit_link`.
 A model that put the inside link on the across hop would predict the all-reduce many times too fast;
 `judge` rejects it (tolerance MODEL_TOLERANCE), which is how the notebook shows its check can fail.
 """
@@ -21,6 +23,13 @@ MODEL_TOLERANCE = 0.25
 THROUGHPUT_TOLERANCE = 0.15
 """Measured throughput within 15% of the set rate. TCP over Ethernet framing carries at most 1448 payload
 bytes per 1514-byte frame (95.6%) through a shaper that counts whole frames: some loss is expected."""
+
+
+def fit_inside(all_reduce_s: dict[int, float], ranks_per_node: int) -> AlphaBeta:
+    """The inside per-message link from timings {bytes: seconds} of an all-reduce within the node (here: its
+    reduce-scatter + all-gather), through lesson 02's ring_link: 2(g-1) messages of bytes/g."""
+    sizes = sorted(all_reduce_s)
+    return alpha_beta.ring_link(alpha_beta.fit(sizes, [all_reduce_s[size] for size in sizes]), ranks_per_node)
 
 
 def fit_link(streamed_s: dict[int, float], latency_s: float) -> AlphaBeta:

@@ -72,7 +72,7 @@ def local_sgd_runs(rank: int, world_size: int, problem: Problem, steps: int, eve
     """Local SGD on every rank for each k in everies (k = 1 is synchronous SGD, what DDP computes), timed.
 
     Every run sees the same samples (batches seeded by rank and step). Rows: every, calls, communication_s
-    (seconds inside the averaging all-reduces, slowest rank), total_s, loss (of the final averaged parameters
+    (seconds inside the averaging all-reduces, each started after a barrier, slowest rank), total_s, loss (of the final averaged parameters
     on the whole data set), sync_loss (one process averaging every worker's gradient each step: the reference).
     """
     data = make_data(problem)
@@ -82,7 +82,8 @@ def local_sgd_runs(rank: int, world_size: int, problem: Problem, steps: int, eve
         spent = [0.0]
 
         def timed_average(parameters, group, timeout_s):
-            start = time.perf_counter()
+            dist.barrier(async_op=True).wait(WAIT)  # ranks arrive together: the clock holds the all-reduce, not a
+            start = time.perf_counter()             # straggler's local steps (k of them drift apart on busy cores)
             average_parameters(parameters, group, timeout_s)
             spent[0] += time.perf_counter() - start
 

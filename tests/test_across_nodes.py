@@ -167,3 +167,10 @@ def test_lab_on_emulated_nodes():
     layouts = _assert_mechanism(result, 2, 2)
     assert sorted({(r["node"], r["node_address"]) for r in layouts}) == [(0, "198.18.0.1"), (1, "198.18.0.2")]
     assert all(r["link_bits"] == 10**9 for r in layouts)
+
+
+def test_fit_inside_is_lesson_02s_ring_link_of_the_nodes_all_reduce():
+    link = AlphaBeta(30e-6, 1 / 1e9, 1.0)
+    timings = {size: ring_allreduce_time_s(size, 2, link) for size in (1e5, 1e6, 1e7)}
+    fitted = model.fit_inside(timings, 2)
+    assert fitted.alpha_s == pytest.approx(link.alpha_s) and fitted.beta_s_per_byte == pytest.approx(link.beta_s_per_byte)

@@ -73,11 +73,9 @@ class Layout(Record):
 
 @dataclass
 class LinkPoint(Record):
-    """Seconds per message of one size between two ranks of a level, streamed back to back."""
+    """Across nodes: seconds per message of one size, streamed back to back from node 0 to node 1."""
 
     KIND: ClassVar[str] = "link"
-    level: str
-    """inside (two ranks of node 0) or across (node 0 to node 1)."""
     bytes: int
     messages: int
     """Messages in the stream (enough to carry the largest size STREAM_COPIES times)."""
@@ -86,22 +84,30 @@ class LinkPoint(Record):
 
 
 @dataclass
+class InsidePoint(Record):
+    """Inside the nodes: reduce-scatter + all-gather on each node's group (all nodes at once), fastest, slowest rank."""
+
+    KIND: ClassVar[str] = "inside"
+    bytes: int
+    seconds: float
+
+
+@dataclass
 class Latency(Record):
-    """Half the round trip of a 4-byte message on a level: the link's alpha (fastest of the repeats)."""
+    """Half the round trip of a 4-byte message across nodes: the link's alpha (fastest of the repeats)."""
 
     KIND: ClassVar[str] = "latency"
-    level: str
     one_way_s: float
 
 
 @dataclass
 class Throughput(Record):
-    """Bytes per second of the stream of the largest messages on a level, against the set rate."""
+    """Bytes per second of the stream of the largest messages across nodes, against the set rate."""
 
     KIND: ClassVar[str] = "throughput"
-    level: str
     bytes_per_s: float
     set_bytes_per_s: float | None
+    """The set rate in bytes per second; None without a shaped link."""
 
 
 @dataclass
@@ -166,17 +172,24 @@ def link_rate_bytes() -> float | None:
 
 def sweep_elements(rate_bytes_per_s: float, link_seconds: float) -> list[int]:
     """Three float32 sizes, the largest taking about link_seconds on the link, the smaller ones 1/8 and 1/2 of it."""
-    largest = max(4096, int(rate_bytes_per_s * link_seconds / 4) // 1024 * 1024)
+    largest = max(4096, int(rate_bytes_per_s * link_seconds / 4) // 1024 * 1024)  # divides by any g up to 1024
     return [largest // 8, largest // 2, largest]
 
 
 STREAM_COPIES = 2  # each stream carries twice the largest size: long enough to spend a shaper's burst
 
 
-def measure_link(ctx, records, topology, elements, repeats) -> dict:
-    """Every level's latency (4-byte ping-pong), streams of each size, the link fitted, the largest's throughput."""
+def measure_link(ctx, records, topology, groups, elements, repeats) -> dict:
+    """The levels' links: inside, the hierarchy's inside phases; across, a 4-byte ping-pong and streams of each size."""
     fits, rate = {}, link_rate_bytes()
-    for level, pair in across_nodes.link_pairs(topology).items():
+    if topology.ranks_per_node > 1:
+        inside = across_nodes.time_all_reduces(groups, elements, repeats, {"inside": across_nodes.inside_phases})
+        fastest = {4 * size: min(seconds) for (_, size), seconds in inside.items()}
+        for nbytes, seconds in fastest.items() if ctx.rank == 0 else ():
+            records.write(InsidePoint(nbytes, seconds))
+        fits["inside"] = dataclasses.asdict(across_nodes_model.fit_inside(fastest, topology.ranks_per_node))
+    if topology.nodes > 1:
+        pair = across_nodes.across_pair(topology)
         latency = across_nodes.ping_pong_s(ctx.rank, pair, 4, repeats)
         streamed = {}
         for size in elements:
@@ -184,12 +197,11 @@ def measure_link(ctx, records, topology, elements, repeats) -> dict:
             seconds = across_nodes.stream_s(ctx.rank, pair, 4 * size, messages)
             if ctx.rank == pair[0]:
                 streamed[4 * size] = seconds
-                records.write(LinkPoint(level, 4 * size, messages, seconds))
+                records.write(LinkPoint(4 * size, messages, seconds))
         if ctx.rank == pair[0]:
-            records.write(Latency(level, latency))
-            records.write(Throughput(level, 4 * elements[-1] / streamed[4 * elements[-1]],
-                                     rate if level == "across" else None))
-            fits[level] = dataclasses.asdict(across_nodes_model.fit_link(streamed, latency))
+            records.write(Latency(latency))
+            records.write(Throughput(4 * elements[-1] / streamed[4 * elements[-1]], rate))
+            fits["across"] = dataclasses.asdict(across_nodes_model.fit_link(streamed, latency))
     return fits
 
 
@@ -205,7 +217,7 @@ def across_nodes_lab(ctx, records, options: Options) -> dict:
     steps = len(options.experiments)
     records.progress(0, steps)
     if "link" in options.experiments:
-        summary["fits"] = measure_link(ctx, records, topology, elements, options.repeats)
+        summary["fits"] = measure_link(ctx, records, topology, groups, elements, options.repeats)
     records.progress(1, steps)
     if "all_reduce" in options.experiments:
         for row in across_nodes.check_hierarchical(ctx.rank, groups, [1, topology.world_size + 1, 1000, 4099]):

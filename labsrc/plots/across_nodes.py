@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from labsrc import across_nodes_analysis as analysis
-from labsrc.alpha_beta import AlphaBeta
+from labsrc.alpha_beta import AlphaBeta, ring_allreduce_time_s
 from labsrc.plots import new_axes
 
 
@@ -22,18 +22,20 @@ def layout_table(result) -> str:
 
 
 def link_figure(result, ax=None):
-    """Seconds per streamed message against its size, per level, with the fitted link's line."""
-    ax = new_axes(f"The links ({_where(result)})", "message size (bytes)", "seconds per message", ax)
-    fits = analysis.links(result)
-    for index, level in enumerate(("inside", "across")):
-        rows = sorted((r for r in result.of_kind("link", rank=0) if r["level"] == level), key=lambda r: r["bytes"])
-        if not rows:
-            continue
-        sizes = [r["bytes"] for r in rows]
-        fit = fits[level]
-        ax.plot(sizes, [r["seconds"] for r in rows], "o", color=f"C{index}", label=f"{level}: streamed")
-        ax.plot(sizes, [fit.time_s(s) for s in sizes], "-", color=f"C{index}",
-                label=f"{level}: alpha {fit.alpha_s * 1e6:.0f} us, 1/beta {fit.bandwidth_bytes_per_s / 1e6:.1f} MB/s")
+    """Across: seconds per streamed message and the fitted link; inside: the nodes' reduce-scatter + all-gather."""
+    ax = new_axes(f"The two levels ({_where(result)})", "message size (bytes)", "seconds", ax)
+    fits, per_node = analysis.links(result), result.summary["ranks_per_node"]
+    streamed = sorted(result.of_kind("link", rank=0), key=lambda r: r["bytes"])
+    if streamed:
+        sizes, fit = [r["bytes"] for r in streamed], fits["across"]
+        ax.plot(sizes, [r["seconds"] for r in streamed], "o", color="C1", label="across: a message in a stream")
+        ax.plot(sizes, [fit.time_s(s) for s in sizes], "-", color="C1", label=f"across link: {model_line(fit)}")
+    inside = sorted(result.of_kind("inside", rank=0), key=lambda r: r["bytes"])
+    if inside:
+        sizes, fit = [r["bytes"] for r in inside], fits["inside"]
+        ax.plot(sizes, [r["seconds"] for r in inside], "o", color="C0", label=f"inside: reduce-scatter + all-gather on {per_node} ranks")
+        ax.plot(sizes, [ring_allreduce_time_s(s, per_node, fit) for s in sizes], "-", color="C0",
+                label=f"inside link (ring_link): {model_line(fit)}")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.legend(fontsize=7)
