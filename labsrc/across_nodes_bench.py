@@ -65,13 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds each launch may take")
     options = parser.parse_args(argv)
     from labsrc.core import emulated_nodes
+    from labsrc.core.world import RequestError
     available = emulated_nodes.availability()
     if not available.ok:
         print(f"emulated nodes are not available here: {available.reason}")
         return 2
     all_met = True
     for link in options.links:
-        emulated_nodes.parse_link(link)  # a bad rate is refused before anything starts
+        try:
+            emulated_nodes.parse_link(link)  # a bad rate is refused before anything starts
+        except RequestError as exc:
+            parser.error(str(exc))
     for link in options.links:
         lines, met = report(link, measure(link, options.link_seconds, options.repeats, options.timeout))
         print("\n".join(lines), flush=True)

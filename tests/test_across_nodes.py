@@ -174,3 +174,34 @@ def test_fit_inside_is_lesson_02s_ring_link_of_the_nodes_all_reduce():
     timings = {size: ring_allreduce_time_s(size, 2, link) for size in (1e5, 1e6, 1e7)}
     fitted = model.fit_inside(timings, 2)
     assert fitted.alpha_s == pytest.approx(link.alpha_s) and fitted.beta_s_per_byte == pytest.approx(link.beta_s_per_byte)
+
+
+def test_bench_nodes_says_why_it_cannot_run_and_refuses_a_bad_rate(monkeypatch, capsys):
+    from labsrc import bench
+    from labsrc.core import emulated_nodes
+    monkeypatch.setenv("LABSRC_EMULATED_NODES", "off")
+    assert bench.main(["nodes"]) == 2
+    assert "LABSRC_EMULATED_NODES=off" in capsys.readouterr().out
+    monkeypatch.delenv("LABSRC_EMULATED_NODES")
+    if emulated_nodes.availability().ok:
+        with pytest.raises(SystemExit):
+            bench.main(["nodes", "--links", "fast"])
+        assert "link" in capsys.readouterr().err
+
+
+def test_bench_nodes_report_judges_each_target():
+    """The report of a run whose throughput missed its target says so, and the rate's verdict is False."""
+    from labsrc import across_nodes_bench
+
+    class Result:
+        summary = {"nodes": 4, "ranks_per_node": 1, "link_bits": 10**8,
+                   "fits": {"across": {"alpha_s": 0.0, "beta_s_per_byte": 8e-8, "r2": 1.0}}}
+
+        def of_kind(self, kind, rank=None):
+            if kind == "throughput":
+                return [{"bytes_per_s": 9e6, "set_bytes_per_s": 12.5e6}]
+            return [{"algorithm": "flat", "bytes": 10**6, "fastest_s": 0.12}] if kind == "all_reduce" else []
+
+    lines, met = across_nodes_bench.report("100mbit", {(4, 1): Result()})
+    assert not met and "MISSED" in lines[1] and "0.720" in lines[1]
+    assert "ok" in lines[2], "measured 0.12 s against a model of 6 x 250 kB x 80 ns = 0.12 s"
