@@ -46,7 +46,8 @@ def report(link: str, results: dict) -> tuple[list[str], bool]:
         for row in analysis.all_reduce_rows(result):
             met &= row["ok"]
             lines.append(f"  {row['algorithm']:>12} {row['bytes']:>10} B: measured {row['measured_s'] * 1e3:8.2f} ms, "
-                         f"model {row['predicted_s'] * 1e3:8.2f} ms, measured / model {row['measured_s'] / row['predicted_s']:.3f}"
+                         f"model {row['predicted_s'] * 1e3:8.2f} ms, "
+                         f"measured / model {row['measured_s'] / row['predicted_s']:.3f}"
                          f" (target 1 +- {MODEL_TOLERANCE:.2f}) {verdict(row['ok'])}")
         for row in analysis.speedups(result):
             met &= row["ok"]

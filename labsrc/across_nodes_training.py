@@ -58,12 +58,14 @@ def time_schemes(rank: int, groups: NodeGroups, layers: Layers, repeats: int) ->
             partner = ranks[1] if rank == ranks[0] else ranks[0]
             dist.barrier(async_op=True).wait(WAIT)
             start = time.perf_counter()
-            sent[(name, level)] = _run_scheme(schemes[name]["operation"], tensors[name], group, partner, rank == ranks[0])
+            sent[(name, level)] = _run_scheme(schemes[name]["operation"], tensors[name], group, partner,
+                                              rank == ranks[0])
             if repeat:
                 row.append(time.perf_counter() - start)
     slowest = torch.tensor(list(seconds.values()), dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX, async_op=True).wait(WAIT)
-    return [{"scheme": name, "level": level, "operation": schemes[name]["operation"], "messages": len(schemes[name]["messages"]),
+    return [{"scheme": name, "level": level, "operation": schemes[name]["operation"],
+             "messages": len(schemes[name]["messages"]),
              "bytes": sum(schemes[name]["messages"]), "sent": sent[(name, level)], "seconds": row}
             for (name, level), row in zip(seconds, slowest.tolist())]
 
@@ -72,8 +74,9 @@ def local_sgd_runs(rank: int, world_size: int, problem: Problem, steps: int, eve
     """Local SGD on every rank for each k in everies (k = 1 is synchronous SGD, what DDP computes), timed.
 
     Every run sees the same samples (batches seeded by rank and step). Rows: every, calls, communication_s
-    (seconds inside the averaging all-reduces, each started after a barrier, slowest rank), total_s, loss (of the final averaged parameters
-    on the whole data set), sync_loss (one process averaging every worker's gradient each step: the reference).
+    (seconds inside the averaging all-reduces, each started after a barrier, slowest rank), total_s, loss (of the
+    final averaged parameters on the whole data set), sync_loss (one process averaging every worker's gradient
+    each step: the reference), initial_loss.
     """
     data = make_data(problem)
     reference = full_loss(*data, synchronous_sgd(data, problem, tuple(range(world_size)), steps, lr))

@@ -1,7 +1,6 @@
 """Lesson 06b's mechanisms on forked ranks: groups per node, the hierarchical all-reduce equal to dist.all_reduce and
 the bytes each level carries, the cost model (and that a model using the inside link across nodes fails its
 check), each parallelism's bytes per step, local SGD; the lab on one host and on emulated nodes."""
-import os
 
 import pytest
 
@@ -173,7 +172,8 @@ def test_fit_inside_is_lesson_02s_ring_link_of_the_nodes_all_reduce():
     link = AlphaBeta(30e-6, 1 / 1e9, 1.0)
     timings = {size: ring_allreduce_time_s(size, 2, link) for size in (1e5, 1e6, 1e7)}
     fitted = model.fit_inside(timings, 2)
-    assert fitted.alpha_s == pytest.approx(link.alpha_s) and fitted.beta_s_per_byte == pytest.approx(link.beta_s_per_byte)
+    assert fitted.alpha_s == pytest.approx(link.alpha_s)
+    assert fitted.beta_s_per_byte == pytest.approx(link.beta_s_per_byte)
 
 
 def test_bench_nodes_says_why_it_cannot_run_and_refuses_a_bad_rate(monkeypatch, capsys):

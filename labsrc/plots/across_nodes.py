@@ -33,7 +33,8 @@ def link_figure(result, ax=None):
     inside = sorted(result.of_kind("inside", rank=0), key=lambda r: r["bytes"])
     if inside:
         sizes, fit = [r["bytes"] for r in inside], fits["inside"]
-        ax.plot(sizes, [r["seconds"] for r in inside], "o", color="C0", label=f"inside: reduce-scatter + all-gather on {per_node} ranks")
+        ax.plot(sizes, [r["seconds"] for r in inside], "o", color="C0",
+                label=f"inside: reduce-scatter + all-gather on {per_node} ranks")
         ax.plot(sizes, [ring_allreduce_time_s(s, per_node, fit) for s in sizes], "-", color="C0",
                 label=f"inside link (ring_link): {model_line(fit)}")
     ax.set_xscale("log")
@@ -67,7 +68,8 @@ def all_reduce_table(result) -> str:
     lines = [f"{'algorithm':>12} {'bytes':>9} {'measured ms':>12} {'model ms':>9} {'error':>7} "
              f"{'lesson 06 ms':>13} {'error':>7}"]
     for r in analysis.all_reduce_rows(result):
-        lines.append(f"{r['algorithm']:>12} {r['bytes']:>9} {r['measured_s'] * 1e3:>12.2f} {r['predicted_s'] * 1e3:>9.2f}"
+        lines.append(f"{r['algorithm']:>12} {r['bytes']:>9} {r['measured_s'] * 1e3:>12.2f} "
+                     f"{r['predicted_s'] * 1e3:>9.2f}"
                      f" {r['error']:>+7.0%} {r['lesson06_s'] * 1e3:>13.2f} {r['lesson06_error']:>+7.0%}")
     return "\n".join(lines)
 
@@ -89,7 +91,8 @@ def schemes_figure(result, ax=None):
 
 
 def schemes_table(result) -> str:
-    lines = [f"{'scheme':>9} {'level':>7} {'messages':>8} {'bytes':>8} {'measured ms':>12} {'model ms':>9} {'error':>7}"]
+    lines = [f"{'scheme':>9} {'level':>7} {'messages':>8} {'bytes':>8} {'measured ms':>12} {'model ms':>9} "
+             f"{'error':>7}"]
     for r in analysis.scheme_rows(result):
         lines.append(f"{r['scheme']:>9} {r['level']:>7} {r['messages']:>8} {r['bytes']:>8} "
                      f"{r['measured_s'] * 1e3:>12.2f} {r['predicted_s'] * 1e3:>9.2f} {r['error']:>+7.0%}")
