@@ -54,7 +54,7 @@ def test_solution_passes(capsys):
     (make_hierarchical(gather=False), "all-gather inside the node is missing"),
     (make_hierarchical(pad=False), "pad"),
     (make_hierarchical(whole_across=True), "across group carried"),
-    (make_hierarchical(swap=True), "across group carried"),
+    (make_hierarchical(swap=True), "groups are swapped"),
 ])
 def test_planted_mistakes_are_named(wrong, named):
     topologies = ((2, 3),) if named == "pad" else ((2, 2),)

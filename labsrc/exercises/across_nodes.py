@@ -78,6 +78,9 @@ def diagnose(calls: list, size: int, topology: Topology, got: torch.Tensor, expe
         wrong = int((got != expected).sum())
         return f"{wrong} of {size} elements differ from dist.all_reduce ({carried})."
     across = [(operation, elements) for operation, level, elements in calls if level == "across"]
+    if any(operation in ("reduce_scatter", "all_gather") for operation, _ in across):
+        return (f"the sum is right, but the groups are swapped ({carried}): reduce-scatter and all-gather belong to "
+                "the node's group (inside_group, fast), the all-reduce of your shard to across_group (the link).")
     if any(elements > shard for _, elements in across):
         return (f"the sum is right, but the across group carried {across} while a shard is {shard} elements: "
                 "reduce-scatter inside the node first, so that only one shard per rank crosses the link.")
