@@ -146,6 +146,7 @@ def _assert_mechanism(result, nodes, per_node):
     return layouts
 
 
+@pytest.mark.slow
 def test_lab_on_one_host():
     from labsrc import launch
     result = launch.run("across_nodes", nproc=2, nnodes=2, timeout=120, echo=False,
@@ -155,6 +156,7 @@ def test_lab_on_one_host():
     assert across_nodes_analysis.throughput_ratio(result) is None
 
 
+@pytest.mark.slow
 def test_lab_on_emulated_nodes():
     from labsrc import launch
     from labsrc.core import emulated_nodes
