@@ -29,15 +29,18 @@ def throughput_ratio(result) -> float | None:
     return rows[0]["bytes_per_s"] / rows[0]["set_bytes_per_s"]
 
 
-def all_reduce_rows(result, across: AlphaBeta | None = None) -> list[dict]:
+def all_reduce_rows(result, bandwidth_of: AlphaBeta | None = None) -> list[dict]:
     """Per (algorithm, bytes): fastest measured seconds, its model's prediction and relative error.
 
     The model of each algorithm (across_nodes_model.MODELS) on the fitted links; lesson 06's extrapolation
-    beside it. `across` replaces the fitted inter-node link: given a node's inside link, it makes the mistake
-    the check must catch (a run of one rank per node has no inside link of its own: take another run's).
+    beside it. bandwidth_of: a link whose bandwidth replaces the inter-node link's (its latency stays): given
+    the inside link, the mistake the check must catch, the node's bandwidth taken for the network's (a run of
+    one rank per node has no inside link of its own: take another run's).
     """
     fitted, shape = links(result), topology(result)
-    inside, across = fitted.get("inside"), across or fitted["across"]
+    inside, across = fitted.get("inside"), fitted["across"]
+    if bandwidth_of is not None:
+        across = AlphaBeta(across.alpha_s, bandwidth_of.beta_s_per_byte, across.r2)
     rows = []
     for record in result.of_kind("all_reduce", rank=0):
         predicted = MODELS[record["algorithm"]](record["bytes"], shape, inside, across)

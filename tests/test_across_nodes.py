@@ -78,8 +78,9 @@ def test_the_model_check_fails_when_the_inside_link_is_used_for_the_inter_node_h
     for nbytes in (125e3, 500e3, 1e6):
         measured = 1.1 * model.MODELS[algorithm](nbytes, topology, FAST, SLOW)
         assert model.judge(measured, model.MODELS[algorithm](nbytes, topology, FAST, SLOW))
-        assert not model.judge(measured, model.MODELS[algorithm](nbytes, topology, FAST, FAST))
-        assert not model.judge(measured, model.lesson06_time_s(nbytes, topology, FAST, FAST))
+        wrong = AlphaBeta(SLOW.alpha_s, FAST.beta_s_per_byte, 1.0)  # the node's bandwidth on the network hop
+        assert not model.judge(measured, model.MODELS[algorithm](nbytes, topology, FAST, wrong))
+        assert not model.judge(measured, model.lesson06_time_s(nbytes, topology, FAST, wrong))
 
 
 def test_fit_link_takes_latency_from_the_ping_and_the_slope_from_the_stream():

@@ -44,11 +44,11 @@ def link_figure(result, ax=None):
 
 
 def all_reduce_figure(result, ax=None, inside: AlphaBeta | None = None):
-    """Measured all-reduce times (points) against each model (lines), and the model with `inside` across (dotted)."""
+    """Measured all-reduce times (points) against each model (lines), and with `inside`'s bandwidth across (dotted)."""
     ax = new_axes(f"All-reduce across nodes ({_where(result)})", "message size (bytes)", "seconds", ax)
     inside = inside or analysis.links(result).get("inside")
     rows = analysis.all_reduce_rows(result)
-    wrong = analysis.all_reduce_rows(result, across=inside) if inside else []
+    wrong = analysis.all_reduce_rows(result, bandwidth_of=inside) if inside else []
     for index, name in enumerate(sorted({r["algorithm"] for r in rows})):
         mine = [r for r in rows if r["algorithm"] == name]
         sizes = [r["bytes"] for r in mine]
@@ -56,7 +56,7 @@ def all_reduce_figure(result, ax=None, inside: AlphaBeta | None = None):
         ax.plot(sizes, [r["predicted_s"] for r in mine], "-", color=f"C{index}", label=f"{name}: model")
         if wrong:
             ax.plot(sizes, [r["predicted_s"] for r in wrong if r["algorithm"] == name], ":", color=f"C{index}",
-                    label=f"{name}: model with the inside link across")
+                    label=f"{name}: model with the inside bandwidth across")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.legend(fontsize=7)
