@@ -90,6 +90,16 @@ def _resolve(host: str) -> str:
         return f"unresolved ({exc})"
 
 
+def wait_for_all(store: dist.Store, key: str, world: int, timeout_s: float = 60.0) -> None:
+    """Count this rank in at `key`, then wait (bounded) until every rank has."""
+    store.add(key, 1)
+    deadline = time.perf_counter() + timeout_s
+    while int(store.add(key, 0)) < world:
+        if time.perf_counter() > deadline:
+            raise TimeoutError(f"not every rank reached {key!r} within {timeout_s:g} s")
+        time.sleep(0.05)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--timeout-s", type=float, default=1.5,
@@ -110,11 +120,14 @@ def main(argv=None) -> None:
             records.write(PhaseOutcome(node=node, interfaces=interfaces_here(), own_interface=own_interface,
                                        network=network_namespace(), **outcome))
             print(f"{phase}: {'ok' if outcome['ok'] else outcome['error'] + ': ' + outcome['message']}", flush=True)
-            store.add(f"done/{phase}", 1)  # the next phase starts together
-            while int(store.add(f"done/{phase}", 0)) < world:
-                time.sleep(0.05)
+            wait_for_all(store, f"done/{phase}", world)  # the next phase starts together
         if rank == 0:
             runs.write_summary(records.run_dir, {"phases": args.phases, "world_size": world})
+        # rank 0 serves the store: it leaves only once every other rank has made its last call to it
+        if rank == 0:
+            wait_for_all(store, "leaving", world)
+        else:
+            store.add("leaving", 1)
     finally:
         records.close()
 
