@@ -94,8 +94,8 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 3], help="workers in each phase")
     parser.add_argument("--floats", type=int, default=125_000, help="parameters (0.5 MB: 40 ms at 100 Mbit/s)")
-    parser.add_argument("--updates", type=int, default=20, help="updates the server applies per phase")
-    parser.add_argument("--warmup", type=int, default=3, help="first updates left out of the timing")
+    parser.add_argument("--updates", type=int, default=32, help="updates the server applies per phase")
+    parser.add_argument("--warmup", type=int, default=4, help="first updates left out of the timing")
     parser.add_argument("--timeout-s", type=float, default=60.0, help="any message waits at most this long")
     args = parser.parse_args(argv)
     if max(args.workers) >= int(os.environ["WORLD_SIZE"]) or min(args.workers) < 1 or args.updates <= args.warmup:
