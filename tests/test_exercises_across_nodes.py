@@ -37,6 +37,12 @@ def flat(tensor, inside_group, across_group):
     dist.all_reduce(tensor)
 
 
+def whole_across_by_keyword(tensor, inside_group, across_group):
+    """The right sum, the whole tensor sent across, every tensor passed by keyword: still seen."""
+    dist.all_reduce(tensor=tensor, group=inside_group)
+    dist.all_reduce(tensor=tensor, group=across_group)
+
+
 def test_the_planted_version_without_mistakes_passes(capsys):
     checkers.check_hierarchical_all_reduce(make_hierarchical(), topologies=((2, 2),))
     assert "passed" in capsys.readouterr().out
@@ -54,6 +60,7 @@ def test_solution_passes(capsys):
     (make_hierarchical(gather=False), "all-gather inside the node is missing"),
     (make_hierarchical(pad=False), "pad"),
     (make_hierarchical(whole_across=True), "across group carried"),
+    (whole_across_by_keyword, "across group carried"),
     (make_hierarchical(swap=True), "groups are swapped"),
 ])
 def test_planted_mistakes_are_named(wrong, named):

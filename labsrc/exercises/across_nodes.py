@@ -42,8 +42,8 @@ def watching(calls: list, inside: list, across: list):
     def spy(name, original):
         def call(*args, **kwargs):
             group = kwargs.get("group")
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            elements = tensors[-1].numel() if tensors else 0  # the input: last tensor argument
+            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+            elements = tensors[-1].numel() if tensors else 0  # the input: last tensor argument (or keyword)
             calls.append((name.replace("_tensor", "").replace("_single", "").replace("_into", ""),
                           level_of(group), elements))
             return original(*args, **kwargs)
