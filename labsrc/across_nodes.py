@@ -11,6 +11,7 @@ import datetime
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -155,6 +156,36 @@ def check_hierarchical(rank: int, groups: NodeGroups, sizes) -> list[dict]:
         rows.append({"size": size, "max_error": float((mine - expected).abs().max()),
                      "inside_bytes": carried["inside"], "across_bytes": carried["across"]})
     return rows
+
+
+def node_interface() -> str | None:
+    """This node's own interface on emulated nodes (the one gloo uses), None on one host (loopback carries both levels)."""
+    return os.environ.get("GLOO_SOCKET_IFNAME") if os.environ.get("LABSRC_NODE_ADDRESS") else None
+
+
+def interface_sent_bytes(interface: str) -> int:
+    """Bytes `interface` has sent, headers included: the kernel's counter in /proc/net/dev, which shows the network
+    namespace of the process reading it (not /sys/class/net, which shows the namespace that mounted /sys)."""
+    for line in Path("/proc/net/dev").read_text().splitlines()[2:]:
+        name, _, counters = line.partition(":")
+        if name.strip() == interface:
+            return int(counters.split()[8])
+    raise ValueError(f"no interface {interface!r} in this network namespace's /proc/net/dev")
+
+
+def node_link_bytes(rank: int, groups: NodeGroups, algorithm: str, size: int) -> int | None:
+    """Bytes node 0's interface sent during one `algorithm` all-reduce of `size` float32 (framing and acks included).
+
+    Every rank runs the all-reduce between two barriers; rank 0 reads the counter its node's ranks share. None on
+    the other ranks and off emulated nodes.
+    """
+    interface = node_interface() if rank == 0 else None
+    tensor = torch.zeros(size)
+    _wait(dist.barrier(async_op=True))
+    before = interface_sent_bytes(interface) if interface else 0
+    ALGORITHMS[algorithm](tensor, groups)
+    _wait(dist.barrier(async_op=True))
+    return interface_sent_bytes(interface) - before if interface else None
 
 
 # --- the link between two ranks -----------------------------------------------------------------------------

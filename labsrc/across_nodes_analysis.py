@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from labsrc.across_nodes import Topology
-from labsrc.across_nodes_model import (MODELS, judge, lesson06_time_s, relative_error, scheme_time_s,
-                                       step_messages, Layers)
+from labsrc.across_nodes_model import (MODELS, judge, lesson06_time_s, link_payload_bytes, relative_error,
+                                       scheme_time_s, step_messages, Layers)
 from labsrc.alpha_beta import AlphaBeta
 
 
@@ -64,6 +64,17 @@ def speedups(result) -> list[dict]:
             out.append({"bytes": nbytes, "measured": measured, "predicted": predicted,
                         "error": relative_error(measured, predicted), "ok": judge(measured, predicted)})
     return out
+
+
+def link_bytes_rows(result) -> list[dict]:
+    """Per algorithm: bytes node 0's interface sent in one all-reduce, against the payload the model sends across
+    (ratio: sent / payload); empty off emulated nodes."""
+    rows = []
+    for record in result.of_kind("link_bytes", rank=0):
+        payload = link_payload_bytes(record["algorithm"], record["bytes"], topology(result))
+        rows.append({"algorithm": record["algorithm"], "bytes": record["bytes"], "sent": record["sent"],
+                     "payload": payload, "ratio": record["sent"] / payload})
+    return sorted(rows, key=lambda row: row["algorithm"])
 
 
 def scheme_rows(result) -> list[dict]:

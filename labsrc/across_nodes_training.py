@@ -42,6 +42,10 @@ def time_schemes(rank: int, groups: NodeGroups, layers: Layers, repeats: int) ->
 
     Needs 2 ranks per node and 2 nodes: every rank is in one pair per level, and the pairs of a level run
     at once (as they would in a real layout: two TP groups inside the nodes, or two crossing the link).
+    Each rank's clock runs from a barrier to a second barrier after the messages: the pairs are independent, and
+    on busy cores one may start milliseconds after the other; without the second barrier the late pair's clock
+    would miss the time the early one had the link to itself, and the fastest repeat would be the least shared.
+    The closing barrier adds a few of the link's latencies (small next to the across messages).
     Rows: scheme, level, operation, messages, bytes (payload of the step's messages), sent (bytes this rank sent),
     seconds (each repeat, slowest rank).
     """
@@ -60,6 +64,7 @@ def time_schemes(rank: int, groups: NodeGroups, layers: Layers, repeats: int) ->
             start = time.perf_counter()
             sent[(name, level)] = _run_scheme(schemes[name]["operation"], tensors[name], group, partner,
                                               rank == ranks[0])
+            dist.barrier(async_op=True).wait(WAIT)  # the clock stops when both pairs are done (see docstring)
             if repeat:
                 row.append(time.perf_counter() - start)
     slowest = torch.tensor(list(seconds.values()), dtype=torch.float64)

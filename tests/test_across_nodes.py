@@ -34,6 +34,23 @@ def test_hierarchical_all_reduce_equals_dist_all_reduce_and_sends_one_shard_acro
             assert row["inside_bytes"] == (2 * 4 * shard * per_node if per_node > 1 else 0)
 
 
+def test_payload_through_a_node_link():
+    """flat: one ring edge leaves each node, 2(n-1) steps of nbytes/n; hierarchical: 2(N-1)/N nbytes of shards."""
+    assert model.link_payload_bytes("flat", 1e6, across_nodes.Topology(2, 2)) == pytest.approx(1.5e6)
+    assert model.link_payload_bytes("flat", 1e6, across_nodes.Topology(4, 1)) == pytest.approx(1.5e6)
+    assert model.link_payload_bytes("hierarchical", 1e6, across_nodes.Topology(2, 2)) == pytest.approx(1e6)
+    assert model.link_payload_bytes("hierarchical", 1e6, across_nodes.Topology(4, 8)) == pytest.approx(1.5e6)
+
+
+def test_interface_counter_reads_this_namespace(monkeypatch):
+    assert across_nodes.interface_sent_bytes("lo") >= 0
+    with pytest.raises(ValueError, match="no interface"):
+        across_nodes.interface_sent_bytes("no-such-interface")
+    monkeypatch.delenv("LABSRC_NODE_ADDRESS", raising=False)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
+    assert across_nodes.node_interface() is None, "on one host the loopback counts both levels: nothing to read"
+
+
 def test_topology_from_torchrun_environment(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     topology = across_nodes.Topology.from_environment(4)
@@ -155,6 +172,7 @@ def test_lab_on_one_host():
     layouts = _assert_mechanism(result, 2, 2)
     assert all(r["link_bits"] is None and r["node_address"] == "" for r in layouts)
     assert across_nodes_analysis.throughput_ratio(result) is None
+    assert across_nodes_analysis.link_bytes_rows(result) == []
 
 
 @pytest.mark.slow
@@ -169,6 +187,9 @@ def test_lab_on_emulated_nodes():
     layouts = _assert_mechanism(result, 2, 2)
     assert sorted({(r["node"], r["node_address"]) for r in layouts}) == [(0, "198.18.0.1"), (1, "198.18.0.2")]
     assert all(r["link_bits"] == 10**9 for r in layouts)
+    sent = {row["algorithm"]: row["ratio"] for row in across_nodes_analysis.link_bytes_rows(result)}
+    assert set(sent) == {"flat", "hierarchical"}
+    assert all(1 <= ratio <= 1 + model.LINK_OVERHEAD for ratio in sent.values()), sent
 
 
 def test_fit_inside_is_lesson_02s_ring_link_of_the_nodes_all_reduce():

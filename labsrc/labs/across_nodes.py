@@ -59,10 +59,12 @@ class Options(LabOptions):
 
 @dataclass
 class Layout(Record):
-    """Where this rank ran: its node (rank // ranks per node), the node's address, the link's rate."""
+    """Where this rank ran: the node torchrun placed it on, the node's address, the link's rate."""
 
     KIND: ClassVar[str] = "layout"
     node: int
+    """torchrun's node rank of this rank's agent (GROUP_RANK, given by the rendezvous); the groups assume
+    rank // ranks per node, and the notebook checks that they agree."""
     nodes: int
     ranks_per_node: int
     node_address: str
@@ -130,6 +132,16 @@ class AllReduceTiming(Record):
     bytes: int
     seconds: list
     fastest_s: float
+
+
+@dataclass
+class LinkBytes(Record):
+    """Bytes node 0's interface sent during one all-reduce of `bytes` (the kernel's counter; emulated nodes only)."""
+
+    KIND: ClassVar[str] = "link_bytes"
+    algorithm: str
+    bytes: int
+    sent: int
 
 
 @dataclass
@@ -208,7 +220,7 @@ def measure_link(ctx, records, topology, groups, elements, repeats) -> dict:
 def across_nodes_lab(ctx, records, options: Options) -> dict:
     topology = across_nodes.Topology.from_environment(ctx.world_size)
     rate = link_rate_bytes()
-    records.write(Layout(topology.node_of(ctx.rank), topology.nodes, topology.ranks_per_node,
+    records.write(Layout(int(os.environ.get("GROUP_RANK", topology.node_of(ctx.rank))), topology.nodes, topology.ranks_per_node,
                          os.environ.get("LABSRC_NODE_ADDRESS", ""), int(rate * 8) if rate else None))
     elements = sweep_elements(rate or LOOPBACK_BYTES_PER_S, options.link_seconds)
     groups = across_nodes.make_groups(ctx.rank, topology, options.pg_timeout_s)
@@ -227,6 +239,10 @@ def across_nodes_lab(ctx, records, options: Options) -> dict:
         timings = across_nodes.time_all_reduces(groups, elements, options.repeats, algorithms)
         for (name, size), seconds in timings.items():
             records.write(AllReduceTiming(name, 4 * size, seconds, min(seconds)))
+        for name in algorithms if topology.nodes > 1 else ():
+            sent = across_nodes.node_link_bytes(ctx.rank, groups, name, elements[-1])
+            if sent is not None:
+                records.write(LinkBytes(name, 4 * elements[-1], sent))
     records.progress(2, steps)
     if "parallelism" in options.experiments and topology.nodes == 2 and topology.ranks_per_node == 2:
         layers = across_nodes_model.layers_for(4 * elements[-1])
