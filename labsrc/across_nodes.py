@@ -159,7 +159,8 @@ def check_hierarchical(rank: int, groups: NodeGroups, sizes) -> list[dict]:
 
 
 def node_interface() -> str | None:
-    """This node's own interface on emulated nodes (the one gloo uses), None on one host (loopback carries both levels)."""
+    """This node's own interface on emulated nodes (the one gloo uses); None on one host, where the loopback
+    carries both levels."""
     return os.environ.get("GLOO_SOCKET_IFNAME") if os.environ.get("LABSRC_NODE_ADDRESS") else None
 
 

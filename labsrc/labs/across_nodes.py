@@ -220,7 +220,8 @@ def measure_link(ctx, records, topology, groups, elements, repeats) -> dict:
 def across_nodes_lab(ctx, records, options: Options) -> dict:
     topology = across_nodes.Topology.from_environment(ctx.world_size)
     rate = link_rate_bytes()
-    records.write(Layout(int(os.environ.get("GROUP_RANK", topology.node_of(ctx.rank))), topology.nodes, topology.ranks_per_node,
+    node = int(os.environ.get("GROUP_RANK", topology.node_of(ctx.rank)))  # the node torchrun's rendezvous chose
+    records.write(Layout(node, topology.nodes, topology.ranks_per_node,
                          os.environ.get("LABSRC_NODE_ADDRESS", ""), int(rate * 8) if rate else None))
     elements = sweep_elements(rate or LOOPBACK_BYTES_PER_S, options.link_seconds)
     groups = across_nodes.make_groups(ctx.rank, topology, options.pg_timeout_s)
