@@ -7,6 +7,7 @@ dist.all_reduce: a wrong sum and a right sum sent the wrong way are both named.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
 from typing import Callable
 
@@ -40,8 +41,13 @@ def watching(calls: list, inside: list, across: list):
         return {tuple(inside): "inside", tuple(across): "across", tuple(world): "world"}.get(tuple(ranks), str(ranks))
 
     def spy(name, original):
+        signature = inspect.signature(original)
+
         def call(*args, **kwargs):
-            group = kwargs.get("group")
+            try:  # the group may come by position too: all_reduce(shard, ReduceOp.SUM, across_group)
+                group = signature.bind(*args, **kwargs).arguments.get("group")
+            except TypeError:  # arguments the collective itself will refuse, with its own message
+                group = kwargs.get("group")
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             elements = tensors[-1].numel() if tensors else 0  # the input: last tensor argument
             calls.append((name.replace("_tensor", "").replace("_single", "").replace("_into", ""),
