@@ -160,7 +160,11 @@ def check_predict_speedup(predict_speedup: Callable) -> None:
     across, inside = AlphaBeta(0.0, 1e-8, 1.0), AlphaBeta(0.0, 1e-11, 1.0)
     for nodes, per_node in SPEEDUP_CASES:
         expected = predicted_speedup(1e9, Topology(nodes, per_node), inside, across) if nodes > 1 else 1.0
-        got = predict_speedup(nodes, per_node)
+        try:
+            got = predict_speedup(nodes, per_node)
+        except ZeroDivisionError:
+            raise ExerciseFailed(f"{nodes} nodes x {per_node} ranks: division by zero. With one node nothing crosses "
+                                 "a link: the flat ring and the hierarchy are the same all-reduce, speed-up 1.") from None
         if not isinstance(got, (int, float)) or isinstance(got, bool):
             raise ExerciseFailed(f"return a number (the ratio), not {type(got).__name__}.")
         if math.isclose(got, expected, rel_tol=0.01):
