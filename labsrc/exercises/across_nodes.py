@@ -21,6 +21,8 @@ from labsrc.core.exercises import ExerciseFailed, on_ranks, passed
 
 TOPOLOGIES = ((2, 2), (3, 2), (2, 3))
 """(nodes, ranks per node): 3 ranks per node make sizes the node does not divide; 3 nodes, an across ring of 3."""
+UNSEEN = (" The checker sees the collectives called as dist.<name>(...) while your function runs: a name bound "
+          "before it runs (rs = dist.reduce_scatter_tensor at the top of the cell) is not seen; call dist.<name>.")
 WATCHED = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter", "all_gather_into_tensor",
            "all_gather_single", "all_gather", "broadcast", "reduce", "send", "recv", "isend", "irecv")
 
@@ -76,7 +78,7 @@ def diagnose(calls: list, size: int, topology: Topology, got: torch.Tensor, expe
             return "you got the mean: sum (ReduceOp.SUM, the default); DDP divides later, not here."
         if not any(operation == "all_gather" for operation, _, _ in calls):
             return (f"the all-gather inside the node is missing ({carried}): after the across all-reduce each rank "
-                    "holds only its own summed shard; gather the shards from the node's ranks into the tensor.")
+                    "holds only its own summed shard; gather the shards from the node's ranks into the tensor." + UNSEEN)
         if size % g:
             return (f"wrong for size {size}, which {g} ranks per node do not divide (it was right for {4 * g}): pad "
                     f"the flat tensor with zeros to a multiple of {g}, run the three steps, copy back the first "
@@ -91,7 +93,7 @@ def diagnose(calls: list, size: int, topology: Topology, got: torch.Tensor, expe
         return (f"the sum is right, but the across group carried {across} while a shard is {shard} elements: "
                 "reduce-scatter inside the node first, so that only one shard per rank crosses the link.")
     if not any(operation == "reduce_scatter" and level == "inside" for operation, level, _ in calls):
-        return f"the node's ranks must reduce-scatter the tensor first ({carried})."
+        return f"the node's ranks must reduce-scatter the tensor first ({carried})." + UNSEEN
     return None
 
 
