@@ -82,23 +82,23 @@ def test_groups_passed_by_position_are_seen(capsys):
     assert "passed" in capsys.readouterr().out
 
 
-ALL_GATHER = dist.all_gather_into_tensor  # bound before the checker watches: its calls go unseen
+REDUCE_SCATTER = dist.reduce_scatter_tensor  # bound before the checker watches: its calls go unseen
 
 
-def aliased_gather(tensor, inside_group, across_group):
-    """Right, but its all-gather goes through a name bound at import."""
+def aliased_reduce_scatter(tensor, inside_group, across_group):
+    """Right (for sizes the node divides), but its reduce-scatter goes through a name bound at import."""
     g = dist.get_world_size(inside_group)
     flat = tensor.view(-1)
     shard = torch.empty(flat.numel() // g)
-    dist.reduce_scatter_tensor(shard, flat, group=inside_group)
+    REDUCE_SCATTER(shard, flat, group=inside_group)
     dist.all_reduce(shard, group=across_group)
-    ALL_GATHER(flat, shard, group=inside_group)
+    dist.all_gather_into_tensor(flat, shard, group=inside_group)
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_unseen_collectives_are_explained():
     with pytest.raises(ExerciseFailed, match="a name bound before it runs"):
-        checkers.check_hierarchical_all_reduce(aliased_gather, topologies=((2, 2),))
+        checkers.check_hierarchical_all_reduce(aliased_reduce_scatter, topologies=((2, 2),))
 
 
 def test_a_speedup_dividing_by_zero_on_one_node_is_named():
