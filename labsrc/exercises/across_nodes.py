@@ -6,15 +6,13 @@ dist.all_reduce: a wrong sum and a right sum sent the wrong way are both named.
 """
 from __future__ import annotations
 
-import contextlib
-import inspect
 import math
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from labsrc.across_nodes import Topology, make_groups, rank_values
+from labsrc.across_nodes import Topology, make_groups, rank_values, watching
 from labsrc.across_nodes_model import predicted_speedup
 from labsrc.alpha_beta import AlphaBeta
 from labsrc.core.exercises import ExerciseFailed, on_ranks, passed
@@ -23,47 +21,9 @@ TOPOLOGIES = ((2, 2), (3, 2), (2, 3))
 """(nodes, ranks per node): 3 ranks per node make sizes the node does not divide; 3 nodes, an across ring of 3."""
 UNSEEN = (" The checker sees the collectives called as dist.<name>(...) while your function runs: a name bound "
           "before it runs (rs = dist.reduce_scatter_tensor at the top of the cell) is not seen; call dist.<name>.")
-WATCHED = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter", "all_gather_into_tensor",
-           "all_gather_single", "all_gather", "broadcast", "reduce", "send", "recv", "isend", "irecv")
-
-
 def sizes(ranks_per_node: int) -> list[int]:
     """(N,) sizes: one the node's ranks divide (diagnosed first), then one they do not, and a larger one."""
     return [4 * ranks_per_node, 4 * ranks_per_node + 1, 1000 * ranks_per_node + 3]
-
-
-@contextlib.contextmanager
-def watching(calls: list, inside: list, across: list):
-    """Record (operation, level, elements of its input) for every collective called; level inside/across/world."""
-    originals = {name: getattr(dist, name) for name in WATCHED if hasattr(dist, name)}
-    world = list(range(dist.get_world_size()))
-
-    def level_of(group) -> str:
-        ranks = world if group is None else dist.get_process_group_ranks(group)
-        return {tuple(inside): "inside", tuple(across): "across", tuple(world): "world"}.get(tuple(ranks), str(ranks))
-
-    def spy(name, original):
-        signature = inspect.signature(original)
-
-        def call(*args, **kwargs):
-            try:  # the group may come by position too: all_reduce(shard, ReduceOp.SUM, across_group)
-                group = signature.bind(*args, **kwargs).arguments.get("group")
-            except TypeError:  # arguments the collective itself will refuse, with its own message
-                group = kwargs.get("group")
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            elements = tensors[-1].numel() if tensors else 0  # the input: last tensor argument
-            calls.append((name.replace("_tensor", "").replace("_single", "").replace("_into", ""),
-                          level_of(group), elements))
-            return original(*args, **kwargs)
-        return call
-
-    for name, original in originals.items():
-        setattr(dist, name, spy(name, original))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
 
 
 def diagnose(calls: list, size: int, topology: Topology, got: torch.Tensor, expected: torch.Tensor) -> str | None:
