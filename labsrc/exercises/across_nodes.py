@@ -53,7 +53,8 @@ def diagnose(calls: list, size: int, topology: Topology, got: torch.Tensor, expe
         return (f"the sum is right, but the across group carried {across} while a shard is {shard} elements: "
                 "reduce-scatter inside the node first, so that only one shard per rank crosses the link.")
     if not any(operation == "reduce_scatter" and level == "inside" for operation, level, _ in calls):
-        return f"the node's ranks must reduce-scatter the tensor first ({carried})." + UNSEEN
+        summed_inside = any(operation in ("all_reduce", "reduce") and level == "inside" for operation, level, _ in calls)
+        return f"the node's ranks must reduce-scatter the tensor first ({carried})." + ("" if summed_inside else UNSEEN)
     return None
 
 
