@@ -7,7 +7,9 @@ the node of a rank is rank // ranks_per_node. Two kinds of group follow from tha
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
+import inspect
 import os
 import time
 from dataclasses import dataclass
@@ -92,6 +94,48 @@ def make_groups(rank: int, topology: Topology, timeout_s: float = 60.0) -> NodeG
     return NodeGroups(topology, mine["inside"][0], mine["across"][0], mine["inside"][1], mine["across"][1])
 
 
+WATCHED = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter", "all_gather_into_tensor",
+           "all_gather_single", "all_gather", "broadcast", "reduce", "send", "recv", "isend", "irecv")
+
+
+@contextlib.contextmanager
+def watching(calls: list, inside: list, across: list):
+    """Record (operation, level, elements) for every collective called as dist.<name> inside the block.
+
+    level: inside, across or world (else the group's ranks); elements: its largest tensor argument, the buffer it
+    covers (an all-gather's output, a reduce-scatter's input). A group may come by keyword or by position.
+    """
+    originals = {name: getattr(dist, name) for name in WATCHED if hasattr(dist, name)}
+    world = list(range(dist.get_world_size()))
+
+    def level_of(group) -> str:
+        ranks = world if group is None else dist.get_process_group_ranks(group)
+        levels = {tuple(world): "world", tuple(across): "across", tuple(inside): "inside"}  # one rank per node: across
+        return levels.get(tuple(ranks), str(ranks))                                         # is the world
+
+    def spy(name, original):
+        signature = inspect.signature(original)
+
+        def call(*args, **kwargs):
+            try:  # the group may come by position too: all_reduce(shard, ReduceOp.SUM, across_group)
+                group = signature.bind(*args, **kwargs).arguments.get("group")
+            except TypeError:  # arguments the collective itself will refuse, with its own message
+                group = kwargs.get("group")
+            elements = max((a.numel() for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), default=0)
+            calls.append((name.replace("_tensor", "").replace("_single", "").replace("_into", ""),
+                          level_of(group), elements))
+            return original(*args, **kwargs)
+        return call
+
+    for name, original in originals.items():
+        setattr(dist, name, spy(name, original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
+
+
 def _wait(work) -> None:
     work.wait(WAIT)
 
@@ -146,15 +190,20 @@ def rank_values(rank: int, size: int) -> torch.Tensor:
 
 
 def check_hierarchical(rank: int, groups: NodeGroups, sizes) -> list[dict]:
-    """The hierarchical all-reduce against dist.all_reduce on the same inputs: largest error per size."""
+    """The hierarchical all-reduce against dist.all_reduce on the same inputs: largest error per size, and the bytes
+    of the buffers it gave each level's collectives, as watched (not as it reports them)."""
     rows = []
     for size in sizes:
         expected = rank_values(rank, size)
         _wait(dist.all_reduce(expected, async_op=True))
         mine = rank_values(rank, size)
-        carried = hierarchical_all_reduce(mine, groups)
+        calls: list = []
+        with watching(calls, groups.inside_ranks, groups.across_ranks):
+            hierarchical_all_reduce(mine, groups)
+        given = {level: mine.element_size() * sum(elements for _, at, elements in calls if at == level)
+                 for level in ("inside", "across")}
         rows.append({"size": size, "max_error": float((mine - expected).abs().max()),
-                     "inside_bytes": carried["inside"], "across_bytes": carried["across"]})
+                     "inside_bytes": given["inside"], "across_bytes": given["across"]})
     return rows
 
 

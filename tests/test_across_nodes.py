@@ -159,6 +159,9 @@ def test_options_are_checked():
 def _assert_mechanism(result, nodes, per_node):
     layouts = result.of_kind("layout")
     assert sorted(r["node"] for r in layouts) == [rank // per_node for rank in range(nodes * per_node)]
+    for row in layouts:  # torchrun's GROUP_RANK says where each rank runs, without the rank arithmetic
+        assert row["node"] == row["node_rank"], row
+        assert row["inside_ranks"] == sorted(r["rank"] for r in layouts if r["node_rank"] == row["node_rank"]), row
     assert all(r["max_error"] == 0.0 for r in across_nodes_analysis.hierarchical_checks(result))
     assert {row["algorithm"] for row in across_nodes_analysis.all_reduce_rows(result)} == {"flat", "hierarchical"}
     return layouts

@@ -69,6 +69,50 @@ def test_planted_mistakes_are_named(wrong, named):
         checkers.check_hierarchical_all_reduce(wrong, topologies=topologies)
 
 
+def positional_groups(tensor, inside_group, across_group):
+    """The reference steps with every group passed by position, as the collectives' signatures allow."""
+    g = dist.get_world_size(inside_group)
+    flat = tensor.view(-1)
+    shard_size = -(-flat.numel() // g)
+    padded = torch.zeros(shard_size * g)
+    padded[:flat.numel()] = flat
+    shard = torch.empty(shard_size)
+    dist.reduce_scatter_tensor(shard, padded, dist.ReduceOp.SUM, inside_group)
+    dist.all_reduce(shard, dist.ReduceOp.SUM, across_group)
+    dist.all_gather_into_tensor(padded, shard, inside_group)
+    flat.copy_(padded[:flat.numel()])
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_groups_passed_by_position_are_seen(capsys):
+    checkers.check_hierarchical_all_reduce(positional_groups, topologies=((2, 2),))
+    assert "passed" in capsys.readouterr().out
+
+
+REDUCE_SCATTER = dist.reduce_scatter_tensor  # bound before the checker watches: its calls go unseen
+
+
+def aliased_reduce_scatter(tensor, inside_group, across_group):
+    """Right (for sizes the node divides), but its reduce-scatter goes through a name bound at import."""
+    g = dist.get_world_size(inside_group)
+    flat = tensor.view(-1)
+    shard = torch.empty(flat.numel() // g)
+    REDUCE_SCATTER(shard, flat, group=inside_group)
+    dist.all_reduce(shard, group=across_group)
+    dist.all_gather_into_tensor(flat, shard, group=inside_group)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_unseen_collectives_are_explained():
+    with pytest.raises(ExerciseFailed, match="a name bound before it runs"):
+        checkers.check_hierarchical_all_reduce(aliased_reduce_scatter, topologies=((2, 2),))
+
+
+def test_a_speedup_dividing_by_zero_on_one_node_is_named():
+    with pytest.raises(ExerciseFailed, match="With one node nothing crosses"):
+        checkers.check_predict_speedup(lambda nodes, g: (g * nodes - 1) / (g * (nodes - 1)))
+
+
 def test_speedup_solution_passes(capsys):
     checkers.check_predict_speedup(load_solution("across_nodes", "predict_speedup"))
     assert "passed" in capsys.readouterr().out

@@ -6,56 +6,24 @@ dist.all_reduce: a wrong sum and a right sum sent the wrong way are both named.
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from labsrc.across_nodes import Topology, make_groups, rank_values
+from labsrc.across_nodes import Topology, make_groups, rank_values, watching
 from labsrc.across_nodes_model import predicted_speedup
 from labsrc.alpha_beta import AlphaBeta
 from labsrc.core.exercises import ExerciseFailed, on_ranks, passed
 
 TOPOLOGIES = ((2, 2), (3, 2), (2, 3))
 """(nodes, ranks per node): 3 ranks per node make sizes the node does not divide; 3 nodes, an across ring of 3."""
-WATCHED = ("all_reduce", "reduce_scatter_tensor", "reduce_scatter_single", "reduce_scatter", "all_gather_into_tensor",
-           "all_gather_single", "all_gather", "broadcast", "reduce", "send", "recv", "isend", "irecv")
-
-
+UNSEEN = (" The checker sees the collectives called as dist.<name>(...) while your function runs: a name bound "
+          "before it runs (rs = dist.reduce_scatter_tensor at the top of the cell) is not seen; call dist.<name>.")
 def sizes(ranks_per_node: int) -> list[int]:
     """(N,) sizes: one the node's ranks divide (diagnosed first), then one they do not, and a larger one."""
     return [4 * ranks_per_node, 4 * ranks_per_node + 1, 1000 * ranks_per_node + 3]
-
-
-@contextlib.contextmanager
-def watching(calls: list, inside: list, across: list):
-    """Record (operation, level, elements of its input) for every collective called; level inside/across/world."""
-    originals = {name: getattr(dist, name) for name in WATCHED if hasattr(dist, name)}
-    world = list(range(dist.get_world_size()))
-
-    def level_of(group) -> str:
-        ranks = world if group is None else dist.get_process_group_ranks(group)
-        return {tuple(inside): "inside", tuple(across): "across", tuple(world): "world"}.get(tuple(ranks), str(ranks))
-
-    def spy(name, original):
-        def call(*args, **kwargs):
-            group = kwargs.get("group")
-            tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-            elements = tensors[-1].numel() if tensors else 0  # the input: last tensor argument (or keyword)
-            calls.append((name.replace("_tensor", "").replace("_single", "").replace("_into", ""),
-                          level_of(group), elements))
-            return original(*args, **kwargs)
-        return call
-
-    for name, original in originals.items():
-        setattr(dist, name, spy(name, original))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
 
 
 def diagnose(calls: list, size: int, topology: Topology, got: torch.Tensor, expected: torch.Tensor) -> str | None:
@@ -70,7 +38,7 @@ def diagnose(calls: list, size: int, topology: Topology, got: torch.Tensor, expe
             return "you got the mean: sum (ReduceOp.SUM, the default); DDP divides later, not here."
         if not any(operation == "all_gather" for operation, _, _ in calls):
             return (f"the all-gather inside the node is missing ({carried}): after the across all-reduce each rank "
-                    "holds only its own summed shard; gather the shards from the node's ranks into the tensor.")
+                    "holds only its own summed shard; gather the shards from the node's ranks into the tensor." + UNSEEN)
         if size % g:
             return (f"wrong for size {size}, which {g} ranks per node do not divide (it was right for {4 * g}): pad "
                     f"the flat tensor with zeros to a multiple of {g}, run the three steps, copy back the first "
@@ -85,7 +53,8 @@ def diagnose(calls: list, size: int, topology: Topology, got: torch.Tensor, expe
         return (f"the sum is right, but the across group carried {across} while a shard is {shard} elements: "
                 "reduce-scatter inside the node first, so that only one shard per rank crosses the link.")
     if not any(operation == "reduce_scatter" and level == "inside" for operation, level, _ in calls):
-        return f"the node's ranks must reduce-scatter the tensor first ({carried})."
+        summed_inside = any(operation in ("all_reduce", "reduce") and level == "inside" for operation, level, _ in calls)
+        return f"the node's ranks must reduce-scatter the tensor first ({carried})." + ("" if summed_inside else UNSEEN)
     return None
 
 
@@ -154,7 +123,11 @@ def check_predict_speedup(predict_speedup: Callable) -> None:
     across, inside = AlphaBeta(0.0, 1e-8, 1.0), AlphaBeta(0.0, 1e-11, 1.0)
     for nodes, per_node in SPEEDUP_CASES:
         expected = predicted_speedup(1e9, Topology(nodes, per_node), inside, across) if nodes > 1 else 1.0
-        got = predict_speedup(nodes, per_node)
+        try:
+            got = predict_speedup(nodes, per_node)
+        except ZeroDivisionError:
+            raise ExerciseFailed(f"{nodes} nodes x {per_node} ranks: division by zero. With one node nothing crosses "
+                                 "a link: the flat ring and the hierarchy are the same all-reduce, speed-up 1.") from None
         if not isinstance(got, (int, float)) or isinstance(got, bool):
             raise ExerciseFailed(f"return a number (the ratio), not {type(got).__name__}.")
         if math.isclose(got, expected, rel_tol=0.01):

@@ -59,18 +59,21 @@ class Options(LabOptions):
 
 @dataclass
 class Layout(Record):
-    """Where this rank ran: the node torchrun placed it on, the node's address, the link's rate."""
+    """Where this rank ran: its node (rank // ranks per node), the node's address, the link's rate, the node its
+    agent started it on and the ranks of its node group."""
 
     KIND: ClassVar[str] = "layout"
     node: int
-    """torchrun's node rank of this rank's agent (GROUP_RANK, given by the rendezvous); the groups assume
-    rank // ranks per node, and the notebook checks that they agree."""
     nodes: int
     ranks_per_node: int
     node_address: str
     """LABSRC_NODE_ADDRESS on emulated nodes, else "" (loopback)."""
     link_bits: int | None
     """The set rate in bit/s (LABSRC_LINK_BITS), None without a shaped link."""
+    node_rank: int
+    """torchrun's GROUP_RANK: the node whose agent started this rank, known without the rank arithmetic."""
+    inside_ranks: list
+    """The ranks of the group this rank's hierarchical all-reduce uses inside its node (make_groups)."""
 
 
 @dataclass
@@ -114,7 +117,8 @@ class Throughput(Record):
 
 @dataclass
 class HierarchicalCheck(Record):
-    """The hierarchical all-reduce against dist.all_reduce on one size, and the bytes each level carried."""
+    """The hierarchical all-reduce against dist.all_reduce on one size, and the bytes each level's collectives were
+    given, watched on every call (across_nodes.watching), not taken from what the function returns."""
 
     KIND: ClassVar[str] = "hierarchical_check"
     size: int
@@ -220,11 +224,11 @@ def measure_link(ctx, records, topology, groups, elements, repeats) -> dict:
 def across_nodes_lab(ctx, records, options: Options) -> dict:
     topology = across_nodes.Topology.from_environment(ctx.world_size)
     rate = link_rate_bytes()
-    node = int(os.environ.get("GROUP_RANK", topology.node_of(ctx.rank)))  # the node torchrun's rendezvous chose
-    records.write(Layout(node, topology.nodes, topology.ranks_per_node,
-                         os.environ.get("LABSRC_NODE_ADDRESS", ""), int(rate * 8) if rate else None))
-    elements = sweep_elements(rate or LOOPBACK_BYTES_PER_S, options.link_seconds)
     groups = across_nodes.make_groups(ctx.rank, topology, options.pg_timeout_s)
+    records.write(Layout(topology.node_of(ctx.rank), topology.nodes, topology.ranks_per_node,
+                         os.environ.get("LABSRC_NODE_ADDRESS", ""), int(rate * 8) if rate else None,
+                         int(os.environ.get("GROUP_RANK", 0)), groups.inside_ranks))
+    elements = sweep_elements(rate or LOOPBACK_BYTES_PER_S, options.link_seconds)
     summary = {"nodes": topology.nodes, "ranks_per_node": topology.ranks_per_node,
                "link_bits": int(rate * 8) if rate else None, "elements": elements}
     steps = len(options.experiments)
