@@ -5,7 +5,7 @@ PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-installed
 NOTEBOOK_TIMEOUT ?= 300
 
-.PHONY: setup lab format-notebooks reset-notebooks test test-unit test-notebooks slides slides-figures doctor bench clean \
+.PHONY: setup lab format-notebooks reset-notebooks test test-unit test-notebooks slides slides-figures doctor bench bench-nodes clean \
 	tensorflow test-tensorflow deepspeed test-deepspeed
 
 # Reinstalls only when the pinned requirements or the package metadata change. CPU_ONLY=1 (on a new .venv) takes
@@ -104,6 +104,10 @@ doctor: setup
 
 bench: setup
 	$(PYTHON) -m labsrc.bench --compare-loop
+
+# Emulated nodes (root or user namespaces): the link's throughput and the all-reduce models at 1 Gbit/s and 100 Mbit/s.
+bench-nodes: setup
+	$(PYTHON) -m labsrc.bench nodes
 
 clean:
 	rm -rf runs slides/build .pytest_cache $(TF_VENV)

@@ -3,6 +3,7 @@
     python -m labsrc.bench --model resnet18 --batch-size 512 --precision bf16 --compile --data device
     python -m labsrc.bench --world-size 2 --model tiny_cnn --image-size 16      # through torchrun
     python -m labsrc.bench --compare-loop                                      # the course loop vs a bare one
+    python -m labsrc.bench nodes                    # emulated nodes: the link and the all-reduce models (06b)
 """
 from __future__ import annotations
 
@@ -140,6 +141,9 @@ def measure(options: Options, hardware: Hardware) -> dict:
 
 def main(argv: list[str] | None = None, hardware: Hardware | None = None) -> int:
     """The command; a bad option exits with status 2 and what to do, before any work starts."""
+    if (sys.argv[1:] if argv is None else argv)[:1] == ["nodes"]:
+        from labsrc.across_nodes_bench import main as nodes_main
+        return nodes_main((sys.argv[1:] if argv is None else argv)[1:])
     options = Options.parse(argv)
     hardware = hardware or detect()
     try:

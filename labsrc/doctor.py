@@ -10,14 +10,15 @@ import sys
 import torch
 import torch.distributed as dist
 
+from labsrc.core import emulated_nodes
 from labsrc.core.hardware import Hardware, detect, simulated
 from labsrc.core.plan import make_plan
 from labsrc.core.profiles import PROFILE_ENV, ProfileError, pick_profile
 from labsrc.core.world import max_cpu_ranks
 
 LESSONS = ("00_setup", "01_dp_vs_ddp", "01b_your_ddp_script", "02_collectives", "03_data_loading",
-           "04_ddp_internals", "05_mixed_precision", "06_performance_scaling", "07_model_tensor_parallel", "08_pipeline_parallel",
-           "09_memory_sharding", "10_elastic_fault_tolerance", "10b_elastic_membership",
+           "04_ddp_internals", "05_mixed_precision", "06_performance_scaling", "06b_across_nodes",
+           "07_model_tensor_parallel", "08_pipeline_parallel", "09_memory_sharding", "10_elastic_fault_tolerance", "10b_elastic_membership",
            "11_async_parameter_server", "12_debugging_clinic", "13_capstone")
 # Lessons whose lab always runs gloo ranks on the CPU, whatever the GPUs, and why.
 CPU_ONLY = {
@@ -85,6 +86,14 @@ def lab_scales(plan: dict | None, profile_name: str, gpus: int) -> dict:
     return scale
 
 
+def emulated_nodes_report(measured: bool) -> dict:
+    """Can runs here give each node its own network namespace and a shaped link (labsrc.core.emulated_nodes)?"""
+    if not measured:
+        return {"ok": None, "how": "", "reason": "not probed: this is a simulated machine"}
+    found = emulated_nodes.availability()
+    return {"ok": found.ok, "how": found.how, "reason": found.reason}
+
+
 def report(hardware: Hardware | None = None, environ: dict | None = None) -> dict:
     """The doctor's findings for this machine, or for `hardware` given by hand (then LABSRC_PROFILE is ignored)."""
     measured = hardware is None
@@ -104,6 +113,7 @@ def report(hardware: Hardware | None = None, environ: dict | None = None) -> dic
         "gpus": gpu_report(hardware, measured), "backends": backends,
         "profile": profile_name, "profile_reason": reason, "profile_error": profile_error, "plan": plan,
         "multi_rank_nccl": nccl_report(hardware, backends),
+        "emulated_nodes": emulated_nodes_report(measured),
         "labs": lab_scales(plan, profile_name or "?", hardware.gpus),
     }
 
@@ -129,6 +139,9 @@ def format_report(data: dict) -> str:
         lines.append(f"profile: ERROR {data['profile_error']}")
     verdict = "yes" if data["multi_rank_nccl"]["possible"] else "no"
     lines.append(f"multi-rank NCCL: {verdict}: {data['multi_rank_nccl']['why']}")
+    emulated = data["emulated_nodes"]
+    verdict = {True: f"yes, {emulated['how']}", False: "no", None: "unknown"}[emulated["ok"]]
+    lines.append(f"emulated nodes (own network stack and shaped link per node): {verdict}: {emulated['reason']}")
     lines.append("labs:")
     lines += [f"  {lab}: {scale}" for lab, scale in data["labs"].items()]
     return "\n".join(lines)

@@ -3,6 +3,7 @@
     python -m labsrc.launch --nproc 2 setup -- --hold-s 1
     python -m labsrc.launch --nproc 2 path/to/my_ddp.py -- --epochs 1
     python -m labsrc.launch --nproc 1 --nnodes 1:2 --max-restarts 1 setup
+    python -m labsrc.launch --nproc 1 --nnodes 2 --link 100mbit setup
 """
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ def parser() -> argparse.ArgumentParser:
     described.add_argument("--backend", choices=["nccl", "gloo"], default=None)
     described.add_argument("--profile", choices=["ci", "cpu", "gpu"], default=None)
     described.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
+    described.add_argument("--link", default=None, help="emulated nodes: each node its own network namespace "
+                                                        "and address, joined by links of this rate (100mbit, "
+                                                        "1gbit, ...); default: nodes share loopback")
     return described
 
 
@@ -54,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run(options.target, options.nproc, target_args, options.timeout, backend=options.backend,
                      profile=options.profile, port=options.port, max_restarts=options.max_restarts,
-                     nnodes=options.nnodes)
+                     nnodes=options.nnodes, link=options.link)
     except RequestError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

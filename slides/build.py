@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=HERE / "build", help="output folder")
     parser.add_argument("decks", nargs="*", type=Path, help="decks to build (default: every NN_*.md)")
     options = parser.parse_args(argv)
-    decks = options.decks or sorted(HERE.glob("[0-9][0-9]_*.md"))
+    decks = options.decks or sorted(HERE.glob("[0-9][0-9]*_*.md"))  # NN_ and NNb_ decks
     for deck in decks:
         target = build_deck(deck, options.out)
         print(f"{deck.name} -> {target} ({len(split_slides(deck.read_text()))} slides)")

@@ -37,9 +37,17 @@ def ci_environment(runs_folder: Path):
                 os.environ[key] = value
 
 
+DECKS = "[0-9][0-9]*_*.md"  # NN_<lesson>.md, and NNb_<lesson>.md for a lesson between two numbers
+
+
+def deck_number(deck: Path) -> str:
+    """"06b" for slides/06b_across_nodes.md: what its figures' names start with."""
+    return deck.stem.split("_", 1)[0]
+
+
 def decks() -> dict[str, Path]:
-    """{lesson: deck path} for every slides/NN_<lesson>.md."""
-    return {path.stem[3:]: path for path in sorted(HERE.glob("[0-9][0-9]_*.md"))}
+    """{lesson: deck path} for every slides/NN_<lesson>.md (and NNb_<lesson>.md)."""
+    return {path.stem.split("_", 1)[1]: path for path in sorted(HERE.glob(DECKS))}
 
 
 def referenced_figures(deck: Path) -> list[str]:
@@ -95,7 +103,7 @@ def make_figures(lessons: list[str], out: Path = FIGURES) -> list[Path]:
                 print(f"{available[lesson].name}: no slides/makers/{lesson}.py, nothing drawn")
                 continue
             print(f"{available[lesson].name}:")
-            module.make(saver(available[lesson].stem[:2], out, written))
+            module.make(saver(deck_number(available[lesson]), out, written))
     return written
 
 

@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SLIDES = ROOT / "slides"
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
-LESSONS_WITH_FIGURES = tuple(sorted(path.stem for path in SLIDES.glob("[0-9][0-9]_*.md")))  # every deck
+LESSONS_WITH_FIGURES = tuple(sorted(path.stem for path in SLIDES.glob("[0-9][0-9]*_*.md")))  # every deck (NN_, NNb_)
 
 
 def slides_module(name: str):
@@ -29,21 +29,22 @@ def slides_module(name: str):
 
 
 def deck_paths() -> list[Path]:
-    return sorted(SLIDES.glob("[0-9][0-9]_*.md"))
+    return sorted(SLIDES.glob("[0-9][0-9]*_*.md"))
 
 
 def test_every_figure_a_deck_shows_is_committed_and_made_by_its_maker():
     figures = slides_module("figures")
     assert figures.missing_figures() == [], "run python slides/figures.py"
     for stem in LESSONS_WITH_FIGURES:
+        number, lesson = stem.split("_", 1)
         shown = figures.referenced_figures(SLIDES / f"{stem}.md")
         assert shown, f"{stem} shows no figure"
-        assert all(Path(f).name.startswith(stem[:3]) for f in shown), f"{stem}: figures are named NN_<name>.png"
-        assert figures.maker(stem[3:]) is not None, f"slides/makers/{stem[3:]}.py is missing"
-        maker_text = (SLIDES / "makers" / f"{stem[3:]}.py").read_text()
+        assert all(Path(f).name.startswith(number + "_") for f in shown), f"{stem}: figures are named {number}_<name>.png"
+        assert figures.maker(lesson) is not None, f"slides/makers/{lesson}.py is missing"
+        maker_text = (SLIDES / "makers" / f"{lesson}.py").read_text()
         for figure in shown:
-            name = Path(figure).stem[3:]
-            assert f'"{name}"' in maker_text, f"{figure} is not drawn by slides/makers/{stem[3:]}.py"
+            name = Path(figure).stem[len(number) + 1:]
+            assert f'"{name}"' in maker_text, f"{figure} is not drawn by slides/makers/{lesson}.py"
 
 
 def test_ring_diagram_follows_the_ring_and_ends_with_every_sum():

@@ -3,6 +3,7 @@
     result = launch.run("setup", nproc=2, timeout=60)
     result = launch.run("my_ddp.py", nproc=2, args=["--epochs", "1"])
     run = launch.start("setup", nproc=1, nnodes="1:2", max_restarts=1, hold_s=20); run.end_node(1); run.wait()
+    result = launch.run("setup", nproc=1, nnodes=2, link="100mbit")   # emulated nodes: own addresses, shaped link
 """
 from __future__ import annotations
 
@@ -13,9 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from labsrc.core import runs
+from labsrc.core import emulated_nodes, runs
 from labsrc.core.launch_request import (Nodes, Target, check_args, check_number, check_port, check_profile,
-                                        free_port, parse_nodes, resolve_target)
+                                        free_port, lab_options_argv, parse_nodes, resolve_target)
 from labsrc.core.launch_result import (LOG_FILE, LaunchError, LaunchInterrupted, LaunchTimeout, RankFailed, RunResult,
                                        failure)
 from labsrc.core.processes import RUN_ID_ENV, end_run, processes_of_run, terminate_with_parent
@@ -31,17 +32,22 @@ ELASTIC_RDZV_CONF = "last_call_timeout=3,join_timeout=60,keep_alive_interval=2,k
 
 
 def torchrun_command(target: Target, nproc: int, nodes: Nodes, target_args: list[str], run_id: str,
-                     max_restarts: int = 0, port: int | None = None) -> list[str]:
-    """One torchrun agent: standalone on loopback for one node, else a c10d rendezvous at 127.0.0.1:port."""
+                     max_restarts: int = 0, port: int | None = None, local_addr: str = "127.0.0.1",
+                     rendezvous_host: str = "127.0.0.1", is_host: bool | None = None) -> list[str]:
+    """One torchrun agent: standalone on loopback for one node, else a c10d rendezvous at rendezvous_host:port.
+
+    Emulated nodes give each agent its node's own address (local_addr) and say which one hosts the store.
+    """
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-               f"--max-restarts={max_restarts}", "--monitor-interval=0.1", "--local-addr=127.0.0.1"]
+               f"--max-restarts={max_restarts}", "--monitor-interval=0.1", f"--local-addr={local_addr}"]
     if nodes.maximum == 1 and port is None:
         command.append("--standalone")
     else:
-        command += [f"--nnodes={nodes.spec}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+        command += [f"--nnodes={nodes.spec}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rendezvous_host}:{port}",
                     f"--rdzv-id={run_id}"]
         if nodes.maximum > 1:
-            command.append(f"--rdzv-conf={ELASTIC_RDZV_CONF}")
+            host = "" if is_host is None else f",is_host={str(is_host).lower()}"
+            command.append(f"--rdzv-conf={ELASTIC_RDZV_CONF}{host}")
     return command + ["-m", "labsrc.core.rank_entry", *target.entry_argv, "--", *target_args]
 
 
@@ -70,16 +76,6 @@ def child_environment(ranks: int, run_dir: Path, run_id: str, backend: str | Non
     return env
 
 
-def lab_options_argv(module: str, options: dict, world_size: int) -> list[str]:
-    """A course lab's typed options as flags, checked (also against the world size) before anything starts."""
-    import importlib
-    from labsrc.core.options import LabOptions
-    options_class = getattr(importlib.import_module(module), "Options", LabOptions)
-    checked = options_class.make(**options)
-    checked.check_world(world_size)
-    return checked.to_argv()
-
-
 def timeout_advice(env: dict) -> str:
     """What may help after a timeout, for the profile the ranks ran in: a smaller one only if there is one."""
     from labsrc.core.profiles import PROFILE_ENV, ProfileError, pick_profile
@@ -95,10 +91,15 @@ def timeout_advice(env: dict) -> str:
 
 
 class Launch:
-    """A started run: one torchrun agent per simulated node. `wait()` returns its RunResult; `end_node(i)` loses one."""
+    """A started run: one torchrun agent per node. `wait()` returns its RunResult; `end_node(i)` loses one.
+
+    With a link, `network` is the emulated network the nodes live in (`cut_link(i)` / `restore_link(i)`).
+    """
 
     def __init__(self, target: Target, nproc: int, nodes: Nodes, run_dir: Path, commands: list[list[str]],
-                 env: dict, timeout: float, echo: bool, check: bool):
+                 env: dict, timeout: float, echo: bool, check: bool,
+                 network: emulated_nodes.Network | None = None):
+        self.network = network
         self.target, self.nproc, self.nodes, self.run_dir = target, nproc, nodes, run_dir
         self.run_id, self.commands, self.timeout, self.echo, self.check = run_dir.name, commands, timeout, echo, check
         self.env = env
@@ -109,7 +110,13 @@ class Launch:
         self._progress = make_progress(target.name, nproc * nodes.maximum, run_dir)
         self._log = open(run_dir / LOG_FILE, "ab")
         self._start = time.perf_counter()
-        self.agents = [self._start_agent(i, command, env) for i, command in enumerate(commands)]
+        self.agents: list[subprocess.Popen] = []
+        try:
+            for i, command in enumerate(commands):
+                self.agents.append(self._start_agent(i, command, env))
+        except BaseException:
+            self._end_everything()
+            raise
 
     @property
     def log_path(self) -> Path:
@@ -118,8 +125,31 @@ class Launch:
     def _start_agent(self, node: int, command: list[str], env: dict) -> subprocess.Popen:
         self._log.write(f"[launch] node {node}: {' '.join(command)}\n".encode())
         self._log.flush()
+        if self.network is not None:
+            env = {**env, **self.network.environment(node)}
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
                                 env=env, start_new_session=True, preexec_fn=terminate_with_parent)
+
+    def _end_everything(self) -> None:
+        """End every agent and rank of the run, then the network they lived in."""
+        end_run(self.run_id, [agent.pid for agent in self.agents], grace_s=1.0)
+        if self.network is not None:
+            self.network.close()
+
+    def cut_link(self, node: int) -> None:
+        """Take emulated node `node`'s link down (a real partition: its processes live on, unreachable)."""
+        self._change_link("cut", node)
+
+    def restore_link(self, node: int) -> None:
+        """Bring emulated node `node`'s link back up after cut_link."""
+        self._change_link("restore", node)
+
+    def _change_link(self, action: str, node: int) -> None:
+        if self.network is None:
+            raise RequestError(f"{action}_link needs emulated nodes: start the run with a link (link=\"1gbit\").")
+        getattr(self.network, action)(node)
+        self._log.write(f"[launch] node {node}'s link: {action} ({action}_link)\n".encode())
+        self._log.flush()
 
     def end_node(self, node: int) -> None:
         """Lose simulated node `node` at once: its torchrun agent and its ranks are killed (SIGKILL)."""
@@ -219,6 +249,8 @@ class Launch:
         """Collect the ended run; the progress bars end on `ending`, else "done" or "failed" by the exit status."""
         for agent in self.agents:
             agent.wait()
+        if self.network is not None:
+            self.network.close()
         self._pump()
         self._log.close()
         codes = [a.returncode for i, a in enumerate(self.agents) if i not in self.ended_nodes]
@@ -237,12 +269,14 @@ class Launch:
 def start(target: str, nproc: int = 2, args: list | tuple = (), timeout: float = 300.0,
           backend: str | None = None, profile: str | None = None, port: int | None = None,
           env: dict | None = None, check: bool = True, echo: bool = True, runs_root: Path | None = None,
-          max_restarts: int = 0, nnodes: int | str = 1, **options) -> Launch:
+          max_restarts: int = 0, nnodes: int | str = 1, link=None, **options) -> Launch:
     """Check the request, then start torchrun (one agent per node) on `target`; returns the running Launch.
 
     target: a script path ("my_ddp.py"), a dotted module ("pkg.train") or a course lab ("setup"); **options
-    are a course lab's typed options. Everything is checked before anything starts (RequestError says what
-    to do).
+    are a course lab's typed options. link: None (nodes share this machine's loopback) or a rate ("100mbit",
+    "1gbit", emulated_nodes.Link(bits)): each node then gets its own network namespace, address and a link
+    shaped to that rate (see labsrc.core.emulated_nodes). Everything is checked before anything starts
+    (RequestError says what to do).
     """
     check_number("timeout", timeout, 0, strict=True)
     check_number("max_restarts", max_restarts, 0, whole=True)
@@ -251,6 +285,8 @@ def start(target: str, nproc: int = 2, args: list | tuple = (), timeout: float =
     validate_request(nproc * nodes.maximum, backend)
     check_profile(profile)
     target_args = check_args(args)
+    if link is not None:
+        link, how = emulated_nodes.check_request(link, nodes.maximum)
     if port is not None:
         check_port(port)
     resolved = resolve_target(target)
@@ -261,12 +297,23 @@ def start(target: str, nproc: int = 2, args: list | tuple = (), timeout: float =
         target_args = lab_options_argv(resolved.value, options, nproc * nodes.minimum) + target_args
     run_dir = runs.new_run_dir(resolved.name, runs_root)
     if nodes.maximum > 1 and port is None:
-        port = free_port()
-    commands = [torchrun_command(resolved, nproc, nodes, target_args, run_dir.name, max_restarts, port)
-                for _ in range(nodes.maximum)]
+        port = free_port() if link is None else emulated_nodes.RENDEZVOUS_PORT
     child_env = child_environment(nproc * nodes.maximum, run_dir, run_dir.name, backend, profile,
                                   nodes.maximum > 1 or max_restarts > 0, env)
-    return Launch(resolved, nproc, nodes, run_dir, commands, child_env, timeout, echo, check)
+    if link is None:
+        commands = [torchrun_command(resolved, nproc, nodes, target_args, run_dir.name, max_restarts, port)
+                    for _ in range(nodes.maximum)]
+        return Launch(resolved, nproc, nodes, run_dir, commands, child_env, timeout, echo, check)
+    network = emulated_nodes.Network(nodes.maximum, link, how)
+    commands = [network.enter(i) + torchrun_command(resolved, nproc, nodes, target_args, run_dir.name,
+                                                    max_restarts, port, network.address(i), network.address(0),
+                                                    is_host=i == 0)
+                for i in range(nodes.maximum)]
+    try:
+        return Launch(resolved, nproc, nodes, run_dir, commands, child_env, timeout, echo, check, network)
+    except BaseException:
+        network.close()
+        raise
 
 
 def run(target: str, nproc: int = 2, args: list | tuple = (), timeout: float = 300.0, **settings) -> RunResult:

@@ -135,3 +135,13 @@ def check_args(args) -> list[str]:
     if isinstance(args, (str, bytes)) or not isinstance(args, (list, tuple)):
         raise RequestError(f"args must be a list of strings, e.g. args=['--epochs', '2'] (got {args!r}).")
     return [str(a) for a in args]
+
+
+def lab_options_argv(module: str, options: dict, world_size: int) -> list[str]:
+    """A course lab's typed options as flags, checked (also against the world size) before anything starts."""
+    import importlib
+    from labsrc.core.options import LabOptions
+    options_class = getattr(importlib.import_module(module), "Options", LabOptions)
+    checked = options_class.make(**options)
+    checked.check_world(world_size)
+    return checked.to_argv()

@@ -1,0 +1,167 @@
+"""The cost of crossing nodes: the link's alpha-beta fit, the flat ring and the hierarchical all-reduce predicted.
+
+Two links, never mixed up (each an AlphaBeta per message between two ranks):
+  inside  two ranks of one node (loopback here, NVLink on a GPU server): the per-message link behind the node's
+          reduce-scatter + all-gather (alpha_beta.ring_link of their fit), timed with every node's group at once,
+          so it holds the hierarchy's inside collectives as they run, CPU sharing included;
+  across  two ranks on different nodes (the shaped link here, a NIC and a switch on a cluster): `fit_link`.
+A model that put the inside link on the across hop would predict the all-reduce many times too fast;
+`judge` rejects it (tolerance MODEL_TOLERANCE), which is how the notebook shows its check can fail.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from labsrc import alpha_beta
+from labsrc.alpha_beta import AlphaBeta
+from labsrc.across_nodes import Topology
+from labsrc.model_tensor_parallel_cost import data_parallel_messages, tensor_parallel_messages
+from labsrc.performance_scaling import ring_time_s
+
+MODEL_TOLERANCE = 0.25
+"""A prediction is judged right when it is within 25% of the measured time (the issue's target)."""
+THROUGHPUT_TOLERANCE = 0.15
+"""Measured throughput within 15% of the set rate. TCP over Ethernet framing carries at most 1448 payload
+bytes per 1514-byte frame (95.6%) through a shaper that counts whole frames: some loss is expected."""
+
+
+def fit_inside(all_reduce_s: dict[int, float], ranks_per_node: int) -> AlphaBeta:
+    """The inside per-message link from timings {bytes: seconds} of an all-reduce within the node (here: its
+    reduce-scatter + all-gather), through lesson 02's ring_link: 2(g-1) messages of bytes/g."""
+    sizes = sorted(all_reduce_s)
+    return alpha_beta.ring_link(alpha_beta.fit(sizes, [all_reduce_s[size] for size in sizes]), ranks_per_node)
+
+
+def fit_link(streamed_s: dict[int, float], latency_s: float) -> AlphaBeta:
+    """The per-message link: alpha the one-way latency, beta the slope of a stream's time per message.
+
+    streamed_s: {bytes: seconds per message while messages of that size stream back to back}; latency_s: half
+    the round trip of a 4-byte message. Why not one fit of lone messages: a shaper lets a burst through at full
+    speed after the link was idle (HTB's bucket), so a lone message of a few hundred KB crosses faster than
+    the rate, and the slope of lone messages comes out too steep; a stream spends that bucket in its first
+    messages. A ring step waits for its message to arrive, so alpha is the latency, not a stream's per-message
+    overhead. R^2 is the streamed fit's.
+    """
+    sizes = sorted(streamed_s)
+    streamed = alpha_beta.fit(sizes, [streamed_s[size] for size in sizes])
+    return AlphaBeta(latency_s, streamed.beta_s_per_byte, streamed.r2)
+
+
+def flat_ring_time_s(nbytes: float, topology: Topology, inside: AlphaBeta | None, across: AlphaBeta) -> float:
+    """dist.all_reduce as one ring over all n ranks, numbered node by node.
+
+    2(n-1) steps of nbytes/n each; a step ends when its slowest hop does, and with two or more nodes some
+    hop of every step crosses the link. Each node's link carries one ring edge, so no step shares it:
+    T = 2(n-1) (alpha_across + nbytes/n beta_across). On one node, the same with the inside link.
+    """
+    n = topology.world_size
+    if n == 1:
+        return 0.0
+    link = across if topology.nodes > 1 else inside
+    return 2 * (n - 1) * link.time_s(nbytes / n)
+
+
+def hierarchical_time_s(nbytes: float, topology: Topology, inside: AlphaBeta | None, across: AlphaBeta) -> float:
+    """Reduce-scatter in the node, all-reduce of the shard across nodes, all-gather in the node.
+
+    Inside (g ranks per node): (g-1) steps of nbytes/g for each of the two phases.
+    Across (N nodes): g rings of N ranks, one per shard, all at once; each step every ring sends nbytes/(gN)
+    through the same node link, nbytes/N in all: T = 2(N-1) (alpha_across + nbytes/N beta_across).
+    """
+    g, nodes = topology.ranks_per_node, topology.nodes
+    inside_s = 2 * (g - 1) * inside.time_s(nbytes / g) if g > 1 else 0.0
+    across_s = 2 * (nodes - 1) * (across.alpha_s + nbytes / nodes * across.beta_s_per_byte) if nodes > 1 else 0.0
+    return inside_s + across_s
+
+
+def lesson06_time_s(nbytes: float, topology: Topology, inside: AlphaBeta | None, across: AlphaBeta) -> float:
+    """Lesson 06's extrapolation (performance_scaling.ring_time_s): NVLink -> the inside link, one NIC per node.
+
+    It charges each node's link 2(N-1)/N nbytes, what a hierarchical all-reduce sends across, not the
+    2(n-1)/n nbytes of a flat ring over every rank.
+    """
+    return ring_time_s(nbytes, topology.world_size, topology.ranks_per_node, nvlink=inside or across, nic=across,
+                       nics_per_node=1)
+
+
+def link_payload_bytes(algorithm: str, nbytes: float, topology: Topology) -> float:
+    """Payload bytes leaving one node over its link in one all-reduce of nbytes (2 nodes or more).
+
+    flat: one ring edge leaves each node and each of the 2(n-1) steps sends nbytes/n on it: 2(n-1)/n nbytes;
+    hierarchical: g shards of nbytes/g, each all-reduced over N nodes: 2(N-1)/N nbytes.
+    """
+    n, nodes = topology.world_size, topology.nodes
+    return 2 * (n - 1) / n * nbytes if algorithm == "flat" else 2 * (nodes - 1) / nodes * nbytes
+
+
+LINK_OVERHEAD = 0.15
+"""What a node's interface counter shows on top of the payload: headers (with segmentation offload one set per
+packet of up to 64 KB, well under 1%; 66 bytes per 1448, 4.6%, where the counter sees every frame), acks for what
+it receives, gloo's own headers and the barriers around the call. 15% bounds it and still tells 1.5 x from 1 x."""
+
+
+MODELS = {"flat": flat_ring_time_s, "hierarchical": hierarchical_time_s}
+"""The model of each all-reduce the lab times (across_nodes.ALGORITHMS)."""
+
+
+def relative_error(measured_s: float, predicted_s: float) -> float:
+    """predicted / measured - 1: negative when the model is too optimistic."""
+    return predicted_s / measured_s - 1
+
+
+def judge(measured_s: float, predicted_s: float, tolerance: float = MODEL_TOLERANCE) -> bool:
+    """Whether the prediction is within `tolerance` of the measurement."""
+    return abs(relative_error(measured_s, predicted_s)) <= tolerance
+
+
+def predicted_speedup(nbytes: float, topology: Topology, inside: AlphaBeta | None, across: AlphaBeta) -> float:
+    """Flat ring time / hierarchical time by the models: (gN-1)/(g(N-1)) for large messages on a slow link."""
+    return flat_ring_time_s(nbytes, topology, inside, across) / hierarchical_time_s(nbytes, topology, inside, across)
+
+
+# --- what each parallelism sends per step ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Layers:
+    """`blocks` Megatron MLP blocks (hidden -> 4 hidden -> hidden), `tokens` tokens per step, float32."""
+
+    hidden: int
+    blocks: int
+    tokens: int
+
+
+def step_messages(layers: Layers) -> dict[str, dict]:
+    """Per step, for 2-way parallelism of each kind: {scheme: {"operation", "messages": [payload bytes, ...]}}.
+
+    tensor:   an all-reduce of the (tokens, hidden) activations after each block's row-parallel layer forward
+              and of their gradient backward: 2 x blocks all-reduces, each on the critical path;
+    pipeline: one stage boundary: the activations forward, their gradient backward, point to point;
+    data:     one all-reduce of every gradient, blocks x (8 hidden^2 + 5 hidden) elements, once per step.
+    """
+    activation = layers.tokens * layers.hidden * 4
+    return {"tensor": {"operation": "all_reduce", "messages": tensor_parallel_messages(layers.tokens, layers.hidden,
+                                                                                 layers.blocks)},
+            "pipeline": {"operation": "send_recv", "messages": [activation, activation]},
+            "data": {"operation": "all_reduce", "messages": data_parallel_messages(layers.hidden, layers.blocks)}}
+
+
+def scheme_time_s(operation: str, messages: list[int], link: AlphaBeta, sharing: int = 1) -> float:
+    """Seconds of a step's messages between two ranks over `link`, one after the other.
+
+    A 2-rank all-reduce sends half the payload each way in each of its 2 steps: 2 alpha + bytes beta; a send/recv
+    is alpha + bytes beta. `sharing` pairs crossing the same link at once divide its bandwidth between them.
+    """
+    shared = AlphaBeta(link.alpha_s, link.beta_s_per_byte * sharing, link.r2)
+    if operation == "all_reduce":
+        return sum(alpha_beta.ring_allreduce_time_s(nbytes, 2, shared) for nbytes in messages)
+    return sum(shared.time_s(nbytes) for nbytes in messages)
+
+
+def layers_for(budget_bytes: float, blocks: int = 4) -> Layers:
+    """Layers whose tensor-parallel step moves about budget_bytes, at twice the tokens where TP's bytes equal DP's.
+
+    TP per step: 2 blocks T h 4 bytes; DP: blocks (8h^2 + 5h) 4 bytes; equal near T = 4h, so T = 8h and
+    2 blocks 8h h 4 = 64 blocks h^2 = budget gives h (a multiple of 8, at least 16).
+    """
+    hidden = max(16, int((budget_bytes / (64 * blocks)) ** 0.5) // 8 * 8)
+    return Layers(hidden, blocks, 8 * hidden)

@@ -1,0 +1,127 @@
+"""The parameter server behind a slow link: every update crosses the server's link twice, so it caps updates/s.
+
+    python -m labsrc.launch --nproc 1 --nnodes 4 --link 100mbit labsrc.async_parameter_server_link -- --workers 1 2 3
+
+Rank 0, the server, on node 0; worker w on node w, each node behind its own shaped link. In each phase the first
+W workers run the async protocol of lesson 11 with a large parameter vector: pull [status, parameters], push a
+gradient; the server applies each gradient as it arrives and answers that worker alone. An update moves the
+parameters out of the server and a gradient into it, t_out and t_in seconds on its link. One worker does both in
+turn (an update per t_out + t_in); more workers overlap them, until the server's link is busy both ways (an update
+per max(t_out, t_in)): updates/s = min(W / (t_out + t_in), 1 / max(t_out, t_in)).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import time
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+
+from labsrc.core.runs import RUN_DIR_ENV, Record, RecordWriter, write_summary
+
+WIRE_EFFICIENCY = 1448 / 1514
+"""Payload per byte the shaper counts: a 1500-byte MTU carries 1448 bytes of TCP payload (20 IP + 20 TCP + 12
+timestamp option bytes) in a 1514-byte Ethernet frame, and HTB counts every frame byte."""
+CONTINUE, STOP = 1.0, 0.0
+
+
+@dataclass
+class LinkPhase(Record):
+    """One phase: W workers against the server behind its link; the server's measured update rate."""
+
+    KIND: ClassVar[str] = "ps_link_phase"
+    workers: int
+    updates: int
+    """Updates applied in the timed window (the first `warmup` are left out)."""
+    seconds: float
+    """From the warm-up's last update to the last one."""
+    parameters_bytes: int
+    """Bytes of one server -> worker message (status and parameters)."""
+    gradient_bytes: int
+    link_bits_per_s: int
+    """The link's rate (0: no emulated link, the ranks share this machine's loopback)."""
+
+    @property
+    def updates_per_s(self) -> float:
+        return self.updates / self.seconds
+
+
+def model_updates_per_s(workers: int, parameters_bytes: int, gradient_bytes: int, link_bits_per_s: int) -> float:
+    """min(W / (t_out + t_in), 1 / max(t_out, t_in)), t = message bits / (link rate x WIRE_EFFICIENCY)."""
+    goodput = link_bits_per_s * WIRE_EFFICIENCY
+    t_out, t_in = 8 * parameters_bytes / goodput, 8 * gradient_bytes / goodput
+    return min(workers / (t_out + t_in), 1 / max(t_out, t_in))
+
+
+def serve(workers: int, parameters: torch.Tensor, updates: int, warmup: int) -> tuple[int, float]:
+    """Async server for workers 1..W: apply each gradient as it comes, answer its sender; (updates timed, seconds)."""
+    gradient = torch.empty_like(parameters)
+    # replies go out with isend (each its own copy): the server takes the next gradient while one leaves
+    sending = [dist.isend(torch.cat([torch.tensor([CONTINUE]), parameters]), worker)
+               for worker in range(1, workers + 1)]
+    applied, stopped, times = 0, 0, []
+    while stopped < workers:
+        sender = dist.recv(gradient)
+        if applied < updates:
+            parameters -= 1e-3 * gradient
+            applied += 1
+            times.append(time.perf_counter())
+            reply = torch.cat([torch.tensor([CONTINUE]), parameters])
+        else:
+            reply = torch.cat([torch.tensor([STOP]), parameters])
+            stopped += 1
+        sending = [work for work in sending if not work.is_completed()] + [dist.isend(reply, sender)]
+    for work in sending:
+        work.wait()
+    return len(times) - warmup, times[-1] - times[warmup - 1]
+
+
+def work(parameters: torch.Tensor) -> None:
+    """Pull, push a gradient (a cheap stand-in: the lesson is the bytes), until the server says stop."""
+    message = torch.empty(parameters.numel() + 1)
+    while True:
+        dist.recv(message, 0)
+        if message[0] == STOP:
+            return
+        dist.send(message[1:] * 0.5, 0)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 3], help="workers in each phase")
+    parser.add_argument("--floats", type=int, default=125_000, help="parameters (0.5 MB: 40 ms at 100 Mbit/s)")
+    parser.add_argument("--updates", type=int, default=32, help="updates the server applies per phase")
+    parser.add_argument("--warmup", type=int, default=4, help="first updates left out of the timing")
+    parser.add_argument("--timeout-s", type=float, default=60.0, help="any message waits at most this long")
+    args = parser.parse_args(argv)
+    if max(args.workers) >= int(os.environ["WORLD_SIZE"]) or min(args.workers) < 1 or args.updates <= args.warmup:
+        raise SystemExit(f"workers {args.workers} need {max(args.workers) + 1} ranks (got {os.environ['WORLD_SIZE']}) "
+                         f"and updates > warmup: launch with more nodes or fewer workers.")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout_s))
+    rank = dist.get_rank()
+    records = RecordWriter(os.environ.get(RUN_DIR_ENV, "."), rank)
+    parameters = torch.zeros(args.floats)
+    try:
+        for workers in args.workers:
+            dist.barrier()
+            if rank == 0:
+                timed, seconds = serve(workers, parameters, args.updates, args.warmup)
+                records.write(LinkPhase(workers=workers, updates=timed, seconds=seconds,
+                                        parameters_bytes=4 * (args.floats + 1), gradient_bytes=4 * args.floats,
+                                        link_bits_per_s=int(os.environ.get("LABSRC_LINK_BITS", 0))))
+            elif rank <= workers:
+                work(parameters)
+        dist.barrier()
+        if rank == 0:
+            write_summary(records.run_dir, {"workers": args.workers, "floats": args.floats})
+    finally:
+        records.close()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
