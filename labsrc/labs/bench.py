@@ -11,6 +11,7 @@ from labsrc.core.lab import run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
+from labsrc.performance_scaling_bench import run_benchmark
 
 MODELS = ("tiny_cnn", "resnet18", "resnet50")
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")
@@ -100,7 +101,6 @@ class BenchResult(Record):
 
 
 def bench_lab(ctx, records, options: Options) -> dict:
-    from labsrc.bench import run_benchmark
     result = run_benchmark(ctx, options)
     records.write(BenchResult(images_per_s=result["images_per_s"], **result["split"]))
     return {"result": result}
