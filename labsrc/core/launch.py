@@ -18,7 +18,7 @@ from labsrc.core import emulated_nodes, runs
 from labsrc.core.launch_request import (Nodes, Target, check_args, check_number, check_port, check_profile,
                                         free_port, lab_options_argv, parse_nodes, resolve_target)
 from labsrc.core.launch_result import (LOG_FILE, LaunchError, LaunchInterrupted, LaunchTimeout, RankFailed, RunResult,
-                                       failure)
+                                       failure, timeout_advice)
 from labsrc.core.processes import RUN_ID_ENV, end_run, processes_of_run, terminate_with_parent
 from labsrc.core.progress import in_notebook, make_progress
 from labsrc.core.rank_output import OUTPUT_FILE, LineTail
@@ -74,20 +74,6 @@ def child_environment(ranks: int, run_dir: Path, run_id: str, backend: str | Non
         env["LABSRC_PROFILE"] = profile
     env.update(extra or {})
     return env
-
-
-def timeout_advice(env: dict) -> str:
-    """What may help after a timeout, for the profile the ranks ran in: a smaller one only if there is one."""
-    from labsrc.core.profiles import PROFILE_ENV, ProfileError, pick_profile
-    try:
-        profile, reason = pick_profile(env)
-    except ProfileError:
-        return "Give it a longer timeout (timeout=..., in seconds)."
-    if profile.name == "ci":
-        return (f"It ran in the smallest profile already (ci: {reason}): give it a longer timeout (timeout=..., "
-                f"in seconds), all the more on a busy machine, or look at its last lines for a rank that waits.")
-    return (f"Give it a longer timeout (timeout=..., in seconds), or run the smallest profile: {PROFILE_ENV}=ci "
-            f"(now {profile.name}: {reason}).")
 
 
 class Launch:

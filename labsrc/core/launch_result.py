@@ -113,3 +113,17 @@ def failure(result: RunResult) -> LaunchError:
         f"rank {first['rank']} of {result.lab} failed{attempt}{also}. Its traceback:\n"
         f"{first['traceback'].rstrip()}\n{log_line}",
         result, first["rank"], first["traceback"])
+
+
+def timeout_advice(env: dict) -> str:
+    """What may help after a timeout, for the profile the ranks ran in: a smaller one only if there is one."""
+    from labsrc.core.profiles import PROFILE_ENV, ProfileError, pick_profile
+    try:
+        profile, reason = pick_profile(env)
+    except ProfileError:
+        return "Give it a longer timeout (timeout=..., in seconds)."
+    if profile.name == "ci":
+        return (f"It ran in the smallest profile already (ci: {reason}): give it a longer timeout (timeout=..., "
+                f"in seconds), all the more on a busy machine, or look at its last lines for a rank that waits.")
+    return (f"Give it a longer timeout (timeout=..., in seconds), or run the smallest profile: {PROFILE_ENV}=ci "
+            f"(now {profile.name}: {reason}).")
