@@ -6,8 +6,9 @@ reach only the rank's own node.
 Phase 'interface': GLOO_SOCKET_IFNAME=lo, as a script written on one machine might set it: gloo listens on, and
 tells its peers, a loopback address. Phase 'address': the store at MASTER_ADDR=localhost, which every node resolves
 to its own loopback. Phase 'fixed': the node's own interface (what the launcher set) and torchrun's MASTER_ADDR.
-Each phase's init_process_group waits at most --timeout-s; every rank records what it used, what happened, and
-`ip -o -4 addr` as seen from inside its node.
+Each phase builds a gloo group of its own with --timeout-s (a refused connect fails at once, a store wait after the
+timeout, gloo's side waiting for a peer that never connects after 5x it); every rank records what it used, what
+happened, and `ip -o -4 addr` as seen from inside its node.
 """
 from __future__ import annotations
 
