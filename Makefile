@@ -6,7 +6,7 @@ STAMP := $(VENV)/.stamp-installed
 NOTEBOOK_TIMEOUT ?= 300
 
 .PHONY: setup lab format-notebooks reset-notebooks test test-unit test-notebooks slides slides-figures doctor bench bench-nodes clean \
-	tensorflow test-tensorflow deepspeed test-deepspeed
+	tensorflow test-tensorflow deepspeed test-deepspeed test-torch gpu-kit
 
 # Reinstalls only when the pinned requirements or the package metadata change. CPU_ONLY=1 (on a new .venv) takes
 # torch and torchvision at requirements.txt's pins from PyTorch's CPU index first: no CUDA libraries (see README).
@@ -98,6 +98,29 @@ deepspeed: setup
 
 test-deepspeed: deepspeed
 	DS_ACCELERATOR=cpu LABSRC_PROFILE=ci $(PYTHON) -m pytest tests/test_deepspeed.py
+
+# The course on another torch of the range it supports (2.11 through 2.14): its own venv .venv-torch<version>
+# (torchvision 0.<minor + 15>), then every unit test and notebook, as `make test` runs them.
+TORCH ?= 2.11.0
+TORCH_VENV = .venv-torch$(TORCH)
+TORCHVISION_FOR_TORCH = 0.$(shell echo $$(( $(word 2,$(subst ., ,$(TORCH))) + 15 ))).0
+
+$(TORCH_VENV)/.stamp-installed: requirements.txt
+	test -x $(TORCH_VENV)/bin/python || $(PY) -m venv $(TORCH_VENV)
+	$(TORCH_VENV)/bin/python -m pip install -q torch==$(TORCH) torchvision==$(TORCHVISION_FOR_TORCH) \
+		$$(grep -vE '^(torch|torchvision)==|^#' requirements.txt | sed 's/ *#.*//')
+	$(TORCH_VENV)/bin/python -c "import pathlib, sysconfig; pathlib.Path(sysconfig.get_paths()['purelib'], \
+		'labsrc-checkout.pth').write_text('$(CURDIR)\n')"
+	$(TORCH_VENV)/bin/python -m ipykernel install --sys-prefix --name labsrc --display-name "Python (labsrc, torch $(TORCH))" >/dev/null
+	touch $@
+
+test-torch: $(TORCH_VENV)/.stamp-installed
+	LABSRC_PROFILE=ci LABSRC_HEADLESS=1 MPLBACKEND=Agg $(TORCH_VENV)/bin/python -m pytest tests notebooks \
+		--nbmake --nbmake-kernel=labsrc --nbmake-timeout=$(NOTEBOOK_TIMEOUT) -p no:cacheprovider --durations=10
+
+# The GPU truth kit (tools/gpu_truth.sh; results/gpu/README.md): the wheels the GPU machine lacks, for its Python.
+gpu-kit: setup
+	$(PYTHON) tools/gpu_kit.py --python-version 3.12
 
 doctor: setup
 	$(PYTHON) -m labsrc.doctor
