@@ -155,7 +155,8 @@ class Training:
         """Seed every RNG (seed + rank, as each attempt's fresh process does), then build model and state."""
         seed_everything(setup.seed + ctx.rank)
         torch.manual_seed(setup.seed)  # the same initial weights on every rank
-        model = nn.Sequential(nn.Linear(setup.features, 16), nn.ReLU(), nn.Dropout(0.25), nn.Linear(16, 4))
+        model = nn.Sequential(nn.Linear(setup.features, 16), nn.ReLU(), nn.Dropout(0.25),
+                              nn.Linear(16, 4)).to(ctx.device)
         torch.manual_seed(setup.seed + ctx.rank)
         if ctx.distributed:
             average_gradients_in_backward(model, ctx.world_size)

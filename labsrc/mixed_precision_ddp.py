@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,24 @@ class CountingHook:
         return future.then(back_into_bucket)
 
 
+@contextlib.contextmanager
+def deterministic_kernels():
+    """Deterministic kernels (cuDNN's, and torch's where it has one) for the block: on a GPU two runs of the same
+    backward otherwise differ in the last bits (atomic additions in some backward kernels, cuDNN's choice of
+    algorithm), and comparing two hooks' results bit for bit would compare those instead. No effect on the CPU."""
+    before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
+              torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        with warnings.catch_warnings():  # an op without a deterministic kernel says so once per call: known here
+            warnings.filterwarnings("ignore", message=".*deterministic.*")
+            yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]
+
+
 def _ddp_gradients(make_model, images, labels, mode: str, hook, steps: int) -> tuple[list, list[torch.Tensor]]:
     """Train a DDP copy of make_model() for steps backward passes (no optimizer) in mode with hook registered.
 
@@ -94,7 +113,7 @@ def message_bytes(make_model, images: torch.Tensor, labels: torch.Tensor, mode: 
     torch_hook = None if wire_dtype is None else default_hooks.bf16_compress_hook
     runs = []
     for hook in (CountingHook(wire_dtype), torch_hook):
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), deterministic_kernels():
             torch.manual_seed(seed)
             runs.append(_ddp_gradients(make_model, images, labels, mode, hook, steps))
     (counted, mine), (_, theirs) = runs

@@ -5,10 +5,11 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 from labsrc.core import profiles, world as labdist
 from labsrc.training import data, models, loop
-from labsrc.core.forked import run_ranks
+from labsrc.core.forked import RankError, run_ranks
 
 
 def test_profile_from_environment_wins_and_unknown_is_a_clear_error():
@@ -110,3 +111,72 @@ def test_rerun_controls_call_the_same_function_with_the_chosen_values():
                            nproc=([1, 2, 4], 2), profile=(["ci", "cpu"], "ci"))
     panel.controls["nproc"].value = 4
     assert panel.run() == 40 and calls == [(4, "ci")]
+
+
+# Fresh ranks: where a GPU is visible, run_ranks starts interpreters instead of forking (a process that ran a
+# backward with CUDA devices present cannot fork ranks that run one). Forced here with LABSRC_RANKS_START.
+def _cell_function():
+    """A function as a notebook cell defines it: its module cannot be imported by another process."""
+    namespace = {"__name__": "a_notebook_cell"}
+    exec("import torch\nimport torch.distributed as dist\n"
+         "def total(ctx, k):\n"
+         "    t = torch.tensor([float(ctx.rank + k)])\n"
+         "    dist.all_reduce(t)\n"
+         "    return t.item()\n", namespace)
+    return namespace["total"]
+
+
+def _sleeps(ctx):
+    import time
+    time.sleep(600)
+
+
+def _raises_on_rank_one(ctx):
+    if ctx.rank == 1:
+        raise ValueError("rank one refuses")
+    return ctx.rank
+
+
+def test_fresh_ranks_run_a_notebook_defined_function_after_a_backward(monkeypatch):
+    monkeypatch.setenv("LABSRC_RANKS_START", "fresh")
+    nn.Linear(2, 1)(torch.ones(1, 2)).sum().backward()  # what poisons fork where CUDA devices exist
+    assert run_ranks(_cell_function(), 2, args=(10,), timeout_s=60) == [21.0, 21.0]
+
+
+def test_fresh_ranks_report_a_failing_rank_and_a_timeout_and_leave_no_process(monkeypatch):
+    import psutil
+    monkeypatch.setenv("LABSRC_RANKS_START", "fresh")
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(RankError, match="rank 1 raised:(.|\n)*rank one refuses"):
+        run_ranks(_raises_on_rank_one, 2, timeout_s=60)
+    with pytest.raises(RankError, match=r"ranks \[0, 1\] gave no result in 1 s"):
+        run_ranks(_sleeps, 2, timeout_s=1)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} - before == set()
+
+
+def test_rank_start_method_follows_the_gpu_and_the_setting(monkeypatch):
+    from labsrc.core import forked
+    monkeypatch.delenv("LABSRC_RANKS_START", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert forked.start_method() == "fresh"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert forked.start_method() == "fork"
+    monkeypatch.setenv("LABSRC_RANKS_START", "spawn")
+    with pytest.raises(ValueError, match="use fork or fresh"):
+        forked.start_method()
+
+
+def _kills_itself():
+    import os
+    import signal
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_fresh_process_reports_its_exit_as_multiprocessing_does(monkeypatch):
+    from labsrc.core import forked
+    monkeypatch.setenv("LABSRC_RANKS_START", "fresh")
+    child = forked.process(_kills_itself)
+    assert isinstance(child, forked.FreshProcess)
+    child.start()
+    child.join(timeout=60)
+    assert not child.is_alive() and child.exitcode == -9

@@ -268,7 +268,12 @@ def start(target: str, nproc: int = 2, args: list | tuple = (), timeout: float =
     check_number("max_restarts", max_restarts, 0, whole=True)
     nodes = parse_nodes(nnodes)
     check_number("nproc", nproc, 1, whole=True)
-    validate_request(nproc * nodes.maximum, backend)
+    chosen, _ = validate_request(nproc * nodes.maximum, backend)
+    if nodes.maximum > 1:
+        # Simulated nodes share this machine's GPUs: each node's ranks alone would see "one GPU per rank" and
+        # pick NCCL, which refuses two ranks of one world on one GPU ("Duplicate GPU detected"). The choice made
+        # for every rank on the machine is handed to all of them.
+        backend = chosen
     check_profile(profile)
     target_args = check_args(args)
     if link is not None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import io
-import multiprocessing
 import os
 import signal
 import tempfile
@@ -16,6 +15,7 @@ from unittest import mock
 
 import torch
 
+from labsrc.core import forked
 from labsrc.core.exercises import ExerciseFailed, passed
 from labsrc.core.world import RankContext
 from labsrc.elastic_fault_tolerance import Setup, Training, capture_rng, parameters_equal
@@ -46,7 +46,7 @@ def _killed_mid_write(real_save):
 
 
 def _train_then_die(save: Callable, path: Path) -> None:
-    """In a forked process: train with a snapshot every 2 steps, and die half-way through writing step 8's."""
+    """In a child process: train with a snapshot every 2 steps, and die half-way through writing step 8's."""
     torch.set_num_threads(1)  # the parent's OpenMP thread pool does not survive fork
     run = Training.build(_context(), Setup())
     while True:
@@ -110,7 +110,7 @@ def check_snapshot(save: Callable, load: Callable) -> None:
             expected = _state_at(reference)
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "snapshot.pt"
-        child = multiprocessing.get_context("fork").Process(target=_train_then_die, args=(save, path))
+        child = forked.process(_train_then_die, (save, path))  # fresh where a GPU is visible (see forked)
         child.start()
         child.join(timeout=60)
         if child.is_alive():

@@ -151,8 +151,9 @@ def throughput_sweep(ctx, records, profile, batch: int, cost_s: float, workers: 
     optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr)
     train_step = lambda images, labels: step(model, optimizer, images, labels)
     if ctx.device.type != "cuda":
+        where = "this rank runs on the CPU" if torch.cuda.is_available() else "there is no GPU here"
         records.write(Skipped(arm="pin_memory", reason="pin_memory page-locks host memory for fast copies "
-                                                       "to a GPU; there is no GPU here"))
+                                                       f"to a GPU; {where}"))
     arms = sweep_arms(ctx, dataset, cost_s, workers)
     for index, arm in enumerate(arms):
         loader, sampler = data.make_loader(arm["dataset"], batch, ctx, num_workers=arm["num_workers"],
