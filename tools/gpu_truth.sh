@@ -77,6 +77,7 @@ stage_tests() {
 stage_notebooks() {
   local profile=${NB_PROFILE:-ci} jobs=${NB_JOBS:-4} timeout=${NB_TIMEOUT:-600} files=() pattern
   for pattern in ${NB_FILTER:-*.ipynb}; do files+=(notebooks/$pattern); done  # globbed
+  printf '%s\n' "${files[@]}" > "$WORK/notebooks-$profile.requested"  # the report marks those without a result
   local parallel=()
   if [ "$jobs" -gt 1 ] && "$PY" -c 'import xdist' 2>/dev/null; then parallel=(-n "$jobs"); fi
   # shellcheck disable=SC2086

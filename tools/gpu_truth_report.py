@@ -45,7 +45,7 @@ def junit_cases(path: Path) -> list[dict]:
 
 
 def counts(cases: list[dict]) -> dict:
-    result = {k: 0 for k in ("passed", "failed", "error", "skipped")}
+    result = {k: 0 for k in ("passed", "failed", "error", "skipped", "no result")}
     for case in cases:
         result[case["outcome"]] += 1
     return result
@@ -99,6 +99,12 @@ def build(work: Path, dry: bool) -> dict:
     notebooks = {}
     for path in sorted(work.glob("notebooks-*.xml")):
         cases = junit_cases(path)
+        requested = path.with_suffix(".requested")
+        if requested.exists():  # a notebook the stage was stopped before it finished has no testcase
+            finished = {case["name"].split("::")[-1] for case in cases}
+            cases += [{"name": Path(line).name, "outcome": "no result", "seconds": 0.0,
+                       "message": "the stage's time limit stopped it before it finished"}
+                      for line in requested.read_text().split() if Path(line).name not in finished]
         notebooks[path.stem.removeprefix("notebooks-")] = {"counts": counts(cases), "cases": cases}
     tests = junit_cases(work / "tests.xml")
     gpus = doctor.get("gpus") or []
@@ -154,7 +160,7 @@ def markdown(report: dict, json_name: str) -> str:
     for profile, nb in report["notebooks"].items():
         k = nb["counts"]
         lines += [f"## Notebooks, {profile} profile: {k['passed']} passed, {k['failed'] + k['error']} failed, "
-                  f"{k['skipped']} skipped", "", "| notebook | outcome | seconds | error |", "|---|---|---:|---|"]
+                  f"{k['skipped']} skipped" + (f", {k['no result']} without a result" if k["no result"] else ""), "", "| notebook | outcome | seconds | error |", "|---|---|---:|---|"]
         for case in nb["cases"]:
             name = re.sub(r"^.*?notebooks[/.:]+", "", case["name"])
             lines.append(f"| {name} | {case['outcome']} | {case['seconds']:.0f} | {case['message'].replace('|', '/')} |")
