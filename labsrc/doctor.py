@@ -6,11 +6,12 @@ import json
 import os
 import platform
 import sys
+import time
 
 import torch
 import torch.distributed as dist
 
-from labsrc.core import emulated_nodes
+from labsrc.core import emulated_nodes, leases
 from labsrc.core.hardware import Hardware, detect, simulated
 from labsrc.core.plan import make_plan
 from labsrc.core.profiles import PROFILE_ENV, ProfileError, pick_profile
@@ -94,6 +95,34 @@ def emulated_nodes_report(measured: bool) -> dict:
     return {"ok": found.ok, "how": found.how, "reason": found.reason}
 
 
+def pool_report(environ) -> dict | None:
+    """The class server's pool (LABSRC_POOL_DIR): its slots, who holds each since when, who waits; None if unset."""
+    try:
+        pool = leases.configured(environ)
+    except leases.PoolError as exc:
+        return {"error": str(exc)}
+    return None if pool is None else leases.status(pool)
+
+
+def format_pool(pool: dict) -> list[str]:
+    if "error" in pool:
+        return [f"pool: ERROR {pool['error']}"]
+    held = [s for s in pool["slots"] if s["held"]]
+    lines = [f"pool (CPU cores and the plan above count one run's share): {pool['directory']}: {pool['gpus']} GPU(s){' (fake)' if pool['fake_gpus'] else ''}, at most "
+             f"{pool['gpus_per_run']} per run; {len(pool['cores'])} core(s), {pool['cores_per_run']} per run; "
+             f"{len(held)} of {len(pool['slots'])} slot(s) leased, {len(pool['waiting'])} run(s) waiting"]
+    for slot in held:
+        since = time.strftime("%H:%M:%S", time.localtime(slot["since"])) if "since" in slot else "?"
+        lines.append(f"  {slot['name']}: {slot.get('user', '?')} (pid {slot.get('pid', '?')}, since {since}, "
+                     f"{slot.get('label', '')})")
+    for place, ticket in enumerate(pool["waiting"], 1):
+        need = leases.Need(**ticket.get("need", {}))
+        since = time.strftime("%H:%M:%S", time.localtime(ticket.get("since", 0)))
+        lines.append(f"  waiting #{place}: {ticket.get('user', '?')} (pid {ticket.get('pid', '?')}, since {since}, "
+                     f"{ticket.get('label', '')}) for {need.describe()}")
+    return lines
+
+
 def report(hardware: Hardware | None = None, environ: dict | None = None) -> dict:
     """The doctor's findings for this machine, or for `hardware` given by hand (then LABSRC_PROFILE is ignored)."""
     measured = hardware is None
@@ -114,6 +143,7 @@ def report(hardware: Hardware | None = None, environ: dict | None = None) -> dic
         "profile": profile_name, "profile_reason": reason, "profile_error": profile_error, "plan": plan,
         "multi_rank_nccl": nccl_report(hardware, backends),
         "emulated_nodes": emulated_nodes_report(measured),
+        "pool": pool_report(environ),
         "labs": lab_scales(plan, profile_name or "?", hardware.gpus),
     }
 
@@ -142,6 +172,8 @@ def format_report(data: dict) -> str:
     emulated = data["emulated_nodes"]
     verdict = {True: f"yes, {emulated['how']}", False: "no", None: "unknown"}[emulated["ok"]]
     lines.append(f"emulated nodes (own network stack and shaped link per node): {verdict}: {emulated['reason']}")
+    if data["pool"] is not None:
+        lines += format_pool(data["pool"])
     lines.append("labs:")
     lines += [f"  {lab}: {scale}" for lab, scale in data["labs"].items()]
     return "\n".join(lines)
@@ -174,7 +206,7 @@ def main(argv: list[str] | None = None, hardware: Hardware | None = None) -> int
     options, asked = parse(argv)
     data = report(hardware or asked)
     print(json.dumps(data, indent=2) if options.json else format_report(data))
-    return 0 if data["profile"] else 2
+    return 0 if data["profile"] and not (data["pool"] or {}).get("error") else 2
 
 
 if __name__ == "__main__":

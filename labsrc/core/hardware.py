@@ -30,10 +30,21 @@ def cpu_cores() -> int:
 
 
 def detect() -> Hardware:
-    """The hardware of this machine."""
+    """The hardware of this machine, or on a class server the share of it one run leases (labsrc.core.leases)."""
     import torch
+
+    from labsrc.core import leases
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return Hardware(gpus=gpus, gpu_name=torch.cuda.get_device_name(0) if gpus else None, cpus=cpu_cores())
+    name, cpus = torch.cuda.get_device_name(0) if gpus else None, cpu_cores()
+    try:
+        pool = leases.configured()
+    except leases.PoolError:
+        pool = None  # the launch says what is wrong with it; a plan is still made for the machine
+    if pool is not None and pool.gpus:
+        gpus = min(gpus, pool.gpus_per_run)
+    if pool is not None and pool.cores:
+        cpus = min(cpus, pool.cores_per_run)
+    return Hardware(gpus=gpus, gpu_name=name if gpus else None, cpus=cpus)
 
 
 def simulated(gpus: int, gpu_name: str = "NVIDIA H100 80GB HBM3", cpus: int = 16) -> Hardware:

@@ -14,7 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from labsrc.core import emulated_nodes, runs
+from labsrc.core import emulated_nodes, leases, runs
+from labsrc.core.launch_lease import lease_need, pool_limits, take_lease
 from labsrc.core.launch_request import (Nodes, Target, check_args, check_number, check_port, check_profile,
                                         free_port, lab_options_argv, parse_nodes, resolve_target)
 from labsrc.core.launch_result import (LOG_FILE, LaunchError, LaunchInterrupted, LaunchTimeout, RankFailed, RunResult,
@@ -80,11 +81,15 @@ class Launch:
     """A started run: one torchrun agent per node. `wait()` returns its RunResult; `end_node(i)` loses one.
 
     With a link, `network` is the emulated network the nodes live in (`cut_link(i)` / `restore_link(i)`).
+    With a pool (a class server), the run first leases `need` from it, waiting in order under its timeout:
+    `lease` holds the slots until the run ends (the agents inherit the locks: an ended launcher frees them
+    only once its agents are gone too).
     """
 
     def __init__(self, target: Target, nproc: int, nodes: Nodes, run_dir: Path, commands: list[list[str]],
                  env: dict, timeout: float, echo: bool, check: bool,
-                 network: emulated_nodes.Network | None = None):
+                 network: emulated_nodes.Network | None = None, pool: leases.Pool | None = None,
+                 need: leases.Need = leases.Need()):
         self.network = network
         self.target, self.nproc, self.nodes, self.run_dir = target, nproc, nodes, run_dir
         self.run_id, self.commands, self.timeout, self.echo, self.check = run_dir.name, commands, timeout, echo, check
@@ -97,6 +102,16 @@ class Launch:
         self._log = open(run_dir / LOG_FILE, "ab")
         self._start = time.perf_counter()
         self.agents: list[subprocess.Popen] = []
+        self.lease = None
+        if pool is not None and need:
+            try:
+                self.lease = take_lease(pool, need, self.timeout, self._progress, self._log, self._start,
+                                        f"{target.name} {self.run_id}")
+            except BaseException:
+                self._log.close()
+                raise
+        if self.lease is not None:
+            self.env = env = {**env, **self.lease.environment(nproc * nodes.maximum)}
         try:
             for i, command in enumerate(commands):
                 self.agents.append(self._start_agent(i, command, env))
@@ -108,19 +123,28 @@ class Launch:
     def log_path(self) -> Path:
         return self.run_dir / LOG_FILE
 
+    def _preexec(self) -> None:
+        """In each agent before it runs: die with the launcher, run on the leased cores (ranks inherit both)."""
+        terminate_with_parent()
+        if self.lease is not None:
+            self.lease.pin()
+
     def _start_agent(self, node: int, command: list[str], env: dict) -> subprocess.Popen:
         self._log.write(f"[launch] node {node}: {' '.join(command)}\n".encode())
         self._log.flush()
         if self.network is not None:
             env = {**env, **self.network.environment(node)}
         return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True, preexec_fn=terminate_with_parent)
+                                env=env, start_new_session=True, preexec_fn=self._preexec,
+                                pass_fds=self.lease.fds if self.lease is not None else ())
 
     def _end_everything(self) -> None:
         """End every agent and rank of the run, then the network they lived in."""
         end_run(self.run_id, [agent.pid for agent in self.agents], grace_s=1.0)
         if self.network is not None:
             self.network.close()
+        if self.lease is not None:
+            self.lease.release()
 
     def cut_link(self, node: int) -> None:
         """Take emulated node `node`'s link down (a real partition: its processes live on, unreachable)."""
@@ -237,6 +261,8 @@ class Launch:
             agent.wait()
         if self.network is not None:
             self.network.close()
+        if self.lease is not None:
+            self.lease.release()  # the agents, which held it too, are gone
         self._pump()
         self._log.close()
         codes = [a.returncode for i, a in enumerate(self.agents) if i not in self.ended_nodes]
@@ -262,13 +288,16 @@ def start(target: str, nproc: int = 2, args: list | tuple = (), timeout: float =
     are a course lab's typed options. link: None (nodes share this machine's loopback) or a rate ("100mbit",
     "1gbit", emulated_nodes.Link(bits)): each node then gets its own network namespace, address and a link
     shaped to that rate (see labsrc.core.emulated_nodes). Everything is checked before anything starts
-    (RequestError says what to do).
+    (RequestError says what to do). On a class server (LABSRC_POOL_DIR names a pool, labsrc.core.leases) the
+    run leases its GPUs (one per NCCL rank, or those gloo ranks share) or cores before torchrun starts and
+    sees only those; a wait for them counts against `timeout` and, when too long, raises LaunchTimeout.
     """
     check_number("timeout", timeout, 0, strict=True)
     check_number("max_restarts", max_restarts, 0, whole=True)
     nodes = parse_nodes(nnodes)
     check_number("nproc", nproc, 1, whole=True)
-    chosen, _ = validate_request(nproc * nodes.maximum, backend)
+    pool, gpus_here, cores_here = pool_limits()
+    chosen, device_kind = validate_request(nproc * nodes.maximum, backend, gpus_here, cores_here)
     if nodes.maximum > 1:
         # Simulated nodes share this machine's GPUs: each node's ranks alone would see "one GPU per rank" and
         # pick NCCL, which refuses two ranks of one world on one GPU ("Duplicate GPU detected"). The choice made
@@ -286,6 +315,7 @@ def start(target: str, nproc: int = 2, args: list | tuple = (), timeout: float =
                            f"{resolved.name}'s own flags as args=[...].")
     if resolved.kind == "lab":
         target_args = lab_options_argv(resolved.value, options, nproc * nodes.minimum) + target_args
+    need = lease_need(pool, nproc * nodes.maximum, device_kind, gpus_here)
     run_dir = runs.new_run_dir(resolved.name, runs_root)
     if nodes.maximum > 1 and port is None:
         port = free_port() if link is None else emulated_nodes.RENDEZVOUS_PORT
@@ -294,14 +324,15 @@ def start(target: str, nproc: int = 2, args: list | tuple = (), timeout: float =
     if link is None:
         commands = [torchrun_command(resolved, nproc, nodes, target_args, run_dir.name, max_restarts, port)
                     for _ in range(nodes.maximum)]
-        return Launch(resolved, nproc, nodes, run_dir, commands, child_env, timeout, echo, check)
+        return Launch(resolved, nproc, nodes, run_dir, commands, child_env, timeout, echo, check, None, pool, need)
     network = emulated_nodes.Network(nodes.maximum, link, how)
     commands = [network.enter(i) + torchrun_command(resolved, nproc, nodes, target_args, run_dir.name,
                                                     max_restarts, port, network.address(i), network.address(0),
                                                     is_host=i == 0)
                 for i in range(nodes.maximum)]
     try:
-        return Launch(resolved, nproc, nodes, run_dir, commands, child_env, timeout, echo, check, network)
+        return Launch(resolved, nproc, nodes, run_dir, commands, child_env, timeout, echo, check, network, pool,
+                      need)
     except BaseException:
         network.close()
         raise

@@ -72,6 +72,10 @@ class PlainProgress:
     def counts(self) -> str:
         return " | ".join(f"rank{r} {done}/{total} {unit}" for r, (done, total, unit) in sorted(self.state.items()))
 
+    def pool_message(self, message: str) -> None:
+        """News of the class server's pool before the run starts: "waiting for 2 GPUs: 3 runs ahead"."""
+        print(f"[pool] {self.name}: {message}", flush=True)
+
     def update(self) -> None:
         self._read()
         due = time.perf_counter() - self._last_print >= self.every_s
@@ -112,6 +116,9 @@ class WidgetProgress(PlainProgress):
             if rank < self.nproc:
                 self.bars[rank].max, self.bars[rank].value = max(1, total), min(done, max(1, total))
                 self.labels[rank].value = f"{done}/{total} {unit}"
+
+    def pool_message(self, message: str) -> None:
+        self.header.value = self._header(message)
 
     def update(self) -> None:
         if self._read():
