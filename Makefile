@@ -100,10 +100,10 @@ test-deepspeed: deepspeed
 	DS_ACCELERATOR=cpu LABSRC_PROFILE=ci $(PYTHON) -m pytest tests/test_deepspeed.py
 
 # The course on another torch of the range it supports (2.11 through 2.14): its own venv .venv-torch<version>
-# (torchvision 0.<minor + 15>), then every unit test and notebook, as `make test` runs them.
+# (torchvision 0.<minor + 15>.<patch>: torchvision pins its torch), then every unit test and notebook, as `make test` runs them.
 TORCH ?= 2.11.0
 TORCH_VENV = .venv-torch$(TORCH)
-TORCHVISION_FOR_TORCH = 0.$(shell echo $$(( $(word 2,$(subst ., ,$(TORCH))) + 15 ))).0
+TORCHVISION_FOR_TORCH = 0.$(shell echo $$(( $(word 2,$(subst ., ,$(TORCH))) + 15 ))).$(word 3,$(subst ., ,$(TORCH)))
 
 $(TORCH_VENV)/.stamp-installed: requirements.txt
 	test -x $(TORCH_VENV)/bin/python || $(PY) -m venv $(TORCH_VENV)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -61,15 +60,14 @@ class CountingHook:
 def deterministic_kernels():
     """Deterministic kernels (cuDNN's, and torch's where it has one) for the block: on a GPU two runs of the same
     backward otherwise differ in the last bits (atomic additions in some backward kernels, cuDNN's choice of
-    algorithm), and comparing two hooks' results bit for bit would compare those instead. No effect on the CPU."""
+    algorithm), and comparing two hooks' results bit for bit would compare those instead. The CPU kernels used
+    here are deterministic already: the same bits either way."""
     before = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
               torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark)
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     try:
-        with warnings.catch_warnings():  # an op without a deterministic kernel says so once per call: known here
-            warnings.filterwarnings("ignore", message=".*deterministic.*")
-            yield
+        yield  # an op with no deterministic kernel warns (warn_only): the warning explains a mismatch, if one comes
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[2], before[3]

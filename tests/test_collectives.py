@@ -137,12 +137,17 @@ def test_lab_records_every_measurement_and_summarises_the_fits(tmp_path):
     assert any(r["kind"] == "check" for r in records[1]) and any(r["kind"] == "table" for r in records[1])
 
 
-def test_a_wrong_default_neighbour_fails_the_check_within_its_timeout(monkeypatch):
+def _check_with_a_wrong_neighbour(ctx, sizes, timeout_s):
+    """Patched inside each rank, so forked and fresh ranks alike run the mistake."""
+    collectives.neighbours = _receive_from_the_right
+    return collectives.check_algorithms(ctx, sizes, timeout_s)
+
+
+def test_a_wrong_default_neighbour_fails_the_check_within_its_timeout():
     """The notebook's acceptance: a mistake in `neighbours` itself fails check_algorithms on 3 ranks, fast."""
-    monkeypatch.setattr(collectives, "neighbours", _receive_from_the_right)  # forked ranks inherit it
     start = time.perf_counter()
     with pytest.raises(RankError, match="[Tt]imed out|Connection closed"):
-        run_ranks(collectives.check_algorithms, 3, args=([9], 2.0), timeout_s=30)
+        run_ranks(_check_with_a_wrong_neighbour, 3, args=([9], 2.0), timeout_s=30)
     assert time.perf_counter() - start < 25, "a wrong neighbour should fail at the 2 s timeout, not hang"
 
 

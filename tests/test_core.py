@@ -180,3 +180,28 @@ def test_a_fresh_process_reports_its_exit_as_multiprocessing_does(monkeypatch):
     child.start()
     child.join(timeout=60)
     assert not child.is_alive() and child.exitcode == -9
+
+
+def test_fresh_ranks_die_with_their_caller(tmp_path):
+    # A kernel that Jupyter kills (SIGKILL) must take its fresh ranks with it, as it took forked ones.
+    import psutil
+    import textwrap
+    import time
+    caller = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""\
+        import os, time
+        os.environ["LABSRC_RANKS_START"] = "fresh"
+        from labsrc.core.forked import run_ranks
+        def sleeps(ctx):
+            time.sleep(600)
+        run_ranks(sleeps, 2, timeout_s=600)
+    """)], cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(__import__("pathlib").Path(__file__).parents[1])})
+    deadline = time.time() + 60
+    ranks = []
+    while time.time() < deadline and len(ranks) < 2:
+        ranks = [p for p in psutil.Process(caller.pid).children() if "labsrc.core.forked" in " ".join(p.cmdline())]
+        time.sleep(0.2)
+    assert len(ranks) == 2, "the fresh ranks did not start"
+    caller.kill()
+    caller.wait()
+    gone, alive = psutil.wait_procs(ranks, timeout=10)
+    assert alive == [], f"ranks outlived their caller: {[p.pid for p in alive]}"

@@ -234,11 +234,11 @@ def test_cli_bad_values_exit_2_with_a_message(runs, capsys, argv, message):
 
 
 
-def test_simulated_nodes_sharing_one_gpu_are_handed_gloo_not_nccl(monkeypatch, tmp_path):
+def test_simulated_nodes_sharing_gpus_are_handed_gloo_not_nccl(monkeypatch, tmp_path):
     # Each node's torchrun alone would see one rank and one GPU and pick NCCL, which refuses two ranks of one
     # world on one GPU ("Duplicate GPU detected", seen on an H200): the launcher decides for the whole machine.
     from labsrc.core import launch as launch_core, world
-    monkeypatch.setattr(world, "gpu_count", lambda: 1)
+    monkeypatch.setattr(world, "gpu_count", lambda: 4)  # enough GPUs for NCCL by count: still gloo
     handed = {}
     monkeypatch.setattr(launch_core, "Launch", lambda *args, **kwargs: handed.setdefault("env", args[5]))
     launch_core.start("setup", nproc=1, nnodes=2, runs_root=tmp_path)
@@ -246,3 +246,5 @@ def test_simulated_nodes_sharing_one_gpu_are_handed_gloo_not_nccl(monkeypatch, t
     handed.clear()
     launch_core.start("setup", nproc=1, nnodes=1, runs_root=tmp_path)
     assert world.BACKEND_ENV not in handed["env"] or handed["env"][world.BACKEND_ENV] != "gloo"
+    with pytest.raises(launch_core.RequestError, match="simulated nodes share"):
+        launch_core.start("setup", nproc=1, nnodes=2, backend="nccl", runs_root=tmp_path)

@@ -14,6 +14,7 @@
 #     capstone   the capstone lab in the gpu profile on synthetic CIFAR-sized data (CAPSTONE_ARGS: its flags)
 #     report     one JSON and a Markdown table (tools/gpu_truth_report.py) under REPORT_DIR
 #     pack       the work folder (logs, junit XML, bench JSONs) as one archive under $OUT
+#   STAGE_LIMIT (default 570 s) bounds each stage (SIGINT, then SIGKILL 30 s later).
 #   --dry: the rehearsal on a machine without a GPU (tests/test_gpu_kit.py): the same stages at CPU sizes.
 #
 # Everything a stage writes goes to GPU_TRUTH_WORK (default runs/gpu-truth); stages.jsonl there records each
@@ -22,6 +23,7 @@
 set -uo pipefail
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
+SELF=$REPO/tools/gpu_truth.sh
 IMAGE_PYTHON=${IMAGE_PYTHON:-python3}
 KIT=${GPU_KIT:-$REPO/.gpu-kit}
 VENV=${GPU_TRUTH_VENV:-/tmp/labsrc-gpu-venv}
@@ -29,7 +31,11 @@ WORK=${GPU_TRUTH_WORK:-$REPO/runs/gpu-truth}
 PY=$VENV/bin/python
 DRY=0
 if [ "${1:-}" = "--dry" ]; then DRY=1; shift; fi
+export DRY
 if [ $# -eq 0 ]; then sed -n '2,20p' "$0"; exit 2; fi
+cd "$REPO" || exit 2
+shopt -s nullglob
+export PYTHONNOUSERSITE=1  # nothing from ~/.local shadows the image's packages or the wheels
 mkdir -p "$WORK/logs"
 [ -e "$WORK/.started" ] || touch "$WORK/.started"
 export MPLBACKEND=Agg LABSRC_HEADLESS=1 PYTHONUNBUFFERED=1
@@ -47,7 +53,7 @@ stage_setup() {
   site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') || return 1
   # An image whose python3 is itself a venv (/opt/torch/.venv) gives a venv made from it the *base* Python's
   # packages, not its own: its own site-packages (torch), with the .pth files there, is then added as a site dir.
-  if ! "$PY" -c 'import torch' 2>/dev/null; then
+  if "$IMAGE_PYTHON" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)'; then
     "$IMAGE_PYTHON" -c 'import sysconfig; print("import site; site.addsitedir(%r)" % sysconfig.get_paths()["purelib"])' \
         > "$site/_image_site.pth" || return 1
   fi
@@ -55,6 +61,10 @@ stage_setup() {
       --target "$site" "$wheels"/*.whl || return 1
   echo "$REPO" > "$site/_labsrc_checkout.pth"   # labsrc from this checkout, as an editable install would
   "$PY" -m ipykernel install --sys-prefix --name labsrc --display-name "Python (labsrc course)" >/dev/null || return 1
+  local image_torch
+  image_torch=$("$IMAGE_PYTHON" -c 'import torch; print(torch.__file__)') || return 1
+  "$PY" -c "import sys, torch; sys.exit(torch.__file__ != '$image_torch')" \
+      || { say "the venv's torch is not the image's ($image_torch)"; return 1; }
   "$PY" - <<'PY'
 import importlib, torch
 for name in ("labsrc", "nbmake", "ipykernel", "ipywidgets", "matplotlib", "psutil", "torchvision"):
@@ -76,7 +86,9 @@ stage_tests() {
 
 stage_notebooks() {
   local profile=${NB_PROFILE:-ci} jobs=${NB_JOBS:-4} timeout=${NB_TIMEOUT:-600} files=() pattern
-  for pattern in ${NB_FILTER:-*.ipynb}; do files+=(notebooks/$pattern); done  # globbed
+  for pattern in ${NB_FILTER:-*.ipynb}; do files+=(notebooks/$pattern); done  # globbed, in the checkout
+  if [ ${#files[@]} -eq 0 ]; then say "no notebook matches NB_FILTER='${NB_FILTER:-}'"; return 1; fi
+  rm -f "$WORK/notebooks-$profile.xml"  # a stale result must not stand for this run's
   printf '%s\n' "${files[@]}" > "$WORK/notebooks-$profile.requested"  # the report marks those without a result
   local parallel=()
   if [ "$jobs" -gt 1 ] && "$PY" -c 'import xdist' 2>/dev/null; then parallel=(-n "$jobs"); fi
@@ -113,7 +125,7 @@ stage_bench() {
     # shellcheck disable=SC2086
     (cd "$REPO" && "$PY" -m labsrc.bench --model "$model" --batch-size "$batch" --image-size "$image" \
         --precision "$precision" $flags --steps "$steps" --warmup "$warmup" --out "$WORK/bench/$name.json") \
-        > "$WORK/logs/bench-$name.log" 2>&1 || { failed=1; say "bench $name failed: $(tail -n 3 "$WORK/logs/bench-$name.log")"; }
+        < /dev/null > "$WORK/logs/bench-$name.log" 2>&1 || { failed=1; say "bench $name failed: $(tail -n 3 "$WORK/logs/bench-$name.log")"; }
   done <<< "$set"
   return $failed
 }
@@ -136,17 +148,25 @@ stage_pack() {
   while read -r log; do
     run=$(basename "$(dirname "$(dirname "$log")")")-$(basename "$(dirname "$log")")
     mkdir -p "$WORK/launch-logs/$run" && cp "$(dirname "$log")"/{launcher.log,*.error.json} "$WORK/launch-logs/$run/" 2>/dev/null
-  done < <(find "$REPO/runs" -name launcher.log -newer "$WORK/.started" 2>/dev/null)
+  done < <(find "$REPO/runs" -path "$WORK" -prune -o -name launcher.log -newer "$WORK/.started" -print 2>/dev/null)
   tar czf "$dest/gpu-truth-work.tgz" -C "$WORK" --exclude='*.pt' . && ls -la "$dest/gpu-truth-work.tgz"
 }
 
+# One stage, run by the loop below under its time limit: `gpu_truth.sh --stage NAME`.
+if [ "${1:-}" = "--stage" ]; then "stage_$2"; exit $?; fi
+
+for stage in "$@"; do
+  declare -F "stage_$stage" >/dev/null || { say "unknown stage '$stage' (see the top of $0)"; exit 2; }
+done
 status=0
 for stage in "$@"; do
-  if ! declare -F "stage_$stage" >/dev/null; then say "unknown stage '$stage' (see the top of $0)"; exit 2; fi
-  say "stage $stage"
+  say "stage $stage (limit ${STAGE_LIMIT:-570} s)"
   start=$(date +%s.%N)
-  "stage_$stage" 2>&1 | tee "$WORK/logs/$stage.log"
+  # Each stage under its limit (a device command has 10 minutes): SIGINT first, so pytest writes its report.
+  timeout -s INT -k 30 "${STAGE_LIMIT:-570}" bash "$SELF" $([ "$DRY" = 1 ] && echo --dry) --stage "$stage" 2>&1 \
+      | tee -i -a "$WORK/logs/$stage.log"
   rc=${PIPESTATUS[0]}
+  [ "$rc" -eq 124 ] && say "stage $stage: stopped at its ${STAGE_LIMIT:-570} s limit"
   seconds=$(awk "BEGIN {printf \"%.1f\", $(date +%s.%N) - $start}")
   echo "{\"stage\": \"$stage\", \"rc\": $rc, \"seconds\": $seconds, \"dry\": $DRY}" >> "$WORK/stages.jsonl"
   say "stage $stage: exit $rc in ${seconds}s"

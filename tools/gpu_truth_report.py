@@ -20,8 +20,15 @@ def read_json(path: Path):
         return None
 
 
+def first_error_line(text: str) -> str:
+    """The line that names the error ("RankFailed: ...", "AssertionError: ..."), else the first line."""
+    lines = [line.strip() for line in re.sub(r"\x1b\[[0-9;]*m|#x1B\[[0-9;]*m", "", text).splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"^[A-Za-z_.]*(Error|Exception|Failed|Timeout|Interrupted)\b.*:", line)]
+    return ((named or lines or [""])[-1 if named else 0])[:400]
+
+
 def junit_cases(path: Path) -> list[dict]:
-    """Each test case of a junit XML: name, outcome (passed, failed, error, skipped), seconds, first message line."""
+    """Each test case of a junit XML: name, outcome (passed, failed, error, skipped), seconds, the error's line."""
     if not path.exists():
         return []
     cases = []
@@ -32,9 +39,7 @@ def junit_cases(path: Path) -> list[dict]:
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = {"failure": "failed"}.get(child.tag, child.tag)
-                text = child.get("message") or child.text or ""
-                text = re.sub(r"\x1b\[[0-9;]*m|#x1B\[[0-9;]*m", "", text).strip()
-                message = text.splitlines()[-1][:300] if text else ""
+                message = first_error_line(child.get("message") or child.text or "")
                 break
         name = case.get("name", "")
         if case.get("classname"):

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from labsrc.core.processes import die_with_parent
 from labsrc.core.world import RankContext
 
 
@@ -106,6 +107,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs:
 
 # Fresh ranks: one interpreter each (python -m labsrc.core.forked FOLDER RANK WORLD_SIZE), the call in
 # FOLDER/call.pkl (the caller's sys.path in path.pkl), each rank's (ok, value or traceback) in FOLDER/result<rank>.pkl, its output in FOLDER/out<rank>.
+# Each rank is its own session (killing it ends its children too) and dies with its caller (a kernel that Jupyter
+# kills takes its fresh ranks with it, as it took its forked ones).
 IMPORT_S = 60.0  # a fresh interpreter's import of torch, on a busy machine, before the caller's timeout counts
 
 
@@ -120,7 +123,7 @@ def _run_fresh(fn, world_size: int, args: tuple, kwargs: dict, timeout_s: float)
             with open(root / f"out{rank}", "wb") as out:
                 children.append(subprocess.Popen(
                     [sys.executable, "-m", "labsrc.core.forked", folder, str(rank), str(world_size)],
-                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=die_with_parent))
         collected: dict[int, Any] = {}
         failure = None
         deadline = time.monotonic() + timeout_s + IMPORT_S
@@ -147,15 +150,15 @@ def _run_fresh(fn, world_size: int, args: tuple, kwargs: dict, timeout_s: float)
                                    f"{timeout_s} s")
                     time.sleep(0.02)
         finally:
+            complete = failure is None and len(collected) == world_size
             for child in children:
-                if failure is None:
+                if complete:  # every result is in: let the ranks leave their group
                     try:
                         child.wait(timeout=10)
                     except subprocess.TimeoutExpired:
                         pass
-                if child.poll() is None:
-                    child.kill()
-                    child.wait()
+                if child.poll() is None:  # the rank's session: its own children (loader workers) go too
+                    _kill_session(child)
             for rank in range(world_size):  # what the ranks printed, as forked ranks would have shown it
                 text = (root / f"out{rank}").read_text(errors="replace")
                 if text.strip():
@@ -163,6 +166,14 @@ def _run_fresh(fn, world_size: int, args: tuple, kwargs: dict, timeout_s: float)
     if failure:
         raise RankError(failure)
     return [collected[rank] for rank in range(world_size)]
+
+
+def _kill_session(child: subprocess.Popen) -> None:
+    try:
+        os.killpg(child.pid, 9)
+    except ProcessLookupError:
+        pass
+    child.wait()
 
 
 def _fresh_rank(folder: str, rank: int, world_size: int) -> None:
@@ -204,7 +215,7 @@ class FreshProcess:
 
     def start(self) -> None:
         self._popen = subprocess.Popen([sys.executable, "-m", "labsrc.core.forked", "--call", self._folder.name],
-                                       start_new_session=True)
+                                       start_new_session=True, preexec_fn=die_with_parent)
 
     def join(self, timeout: float | None = None) -> None:
         try:
@@ -216,7 +227,8 @@ class FreshProcess:
         return self._popen.poll() is None
 
     def kill(self) -> None:
-        self._popen.kill()
+        if self._popen.poll() is None:
+            _kill_session(self._popen)
 
     @property
     def exitcode(self) -> int | None:

@@ -299,10 +299,14 @@ def start(target: str, nproc: int = 2, args: list | tuple = (), timeout: float =
     pool, gpus_here, cores_here = pool_limits()
     chosen, device_kind = validate_request(nproc * nodes.maximum, backend, gpus_here, cores_here)
     if nodes.maximum > 1:
-        # Simulated nodes share this machine's GPUs: each node's ranks alone would see "one GPU per rank" and
-        # pick NCCL, which refuses two ranks of one world on one GPU ("Duplicate GPU detected"). The choice made
-        # for every rank on the machine is handed to all of them.
-        backend = chosen
+        # Simulated nodes share this machine: each node's ranks count their GPUs from cuda:0 (LOCAL_RANK), so two
+        # nodes put ranks on the same GPU, which NCCL refuses ("Duplicate GPU detected", seen on an H200), and NCCL
+        # between nodes of one host would go through shared memory, around the emulated link. They use gloo.
+        if backend == "nccl":
+            raise RequestError("simulated nodes share this machine's GPUs and links: NCCL would put two nodes' "
+                               "ranks on one GPU and bypass the emulated link. Leave backend unset (gloo), or "
+                               "run NCCL across real nodes (cluster/README.md).")
+        backend = "gloo"
     check_profile(profile)
     target_args = check_args(args)
     if link is not None:
