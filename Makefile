@@ -6,7 +6,8 @@ STAMP := $(VENV)/.stamp-installed
 NOTEBOOK_TIMEOUT ?= 300
 
 .PHONY: setup lab format-notebooks reset-notebooks test test-unit test-notebooks slides slides-figures doctor bench bench-nodes clean \
-	tensorflow test-tensorflow deepspeed test-deepspeed test-torch gpu-kit
+	tensorflow test-tensorflow deepspeed test-deepspeed test-torch gpu-kit \
+	slurm-packages slurm-cluster slurm-cluster-stop test-slurm
 
 # Reinstalls only when the pinned requirements or the package metadata change. CPU_ONLY=1 (on a new .venv) takes
 # torch and torchvision at requirements.txt's pins from PyTorch's CPU index first: no CUDA libraries (see README).
@@ -65,6 +66,23 @@ test-unit: setup
 test-notebooks: setup
 	LABSRC_PROFILE=ci LABSRC_HEADLESS=1 MPLBACKEND=Agg $(PYTHON) -m pytest notebooks \
 		--nbmake --nbmake-timeout=$(NOTEBOOK_TIMEOUT)
+
+# A real Slurm cluster of two emulated nodes on this machine (labsrc/core/slurm_cluster.py; cluster/README.md):
+# Debian's slurm-wlm and munge, installed here as root when missing; otherwise say what to do.
+slurm-packages:
+	@if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; \
+	else echo "Slurm is not installed: as root on Debian/Ubuntu run  apt-get install -y slurm-wlm munge  (the emulated cluster needs root)."; fi
+
+slurm-cluster: setup slurm-packages
+	$(PYTHON) -m labsrc.elastic_fault_tolerance_slurm
+
+slurm-cluster-stop: setup
+	$(PYTHON) -m labsrc.elastic_fault_tolerance_slurm --stop
+
+test-slurm: setup slurm-packages
+	LABSRC_PROFILE=ci LABSRC_HEADLESS=1 MPLBACKEND=Agg $(PYTHON) -m pytest tests/test_slurm_cluster.py -rs --durations=10
 
 slides: setup
 	$(PYTHON) slides/build.py

@@ -47,6 +47,10 @@ class ClusterJob:
     """--rdzv-id for hand-started nodes (Slurm uses its job id): the same on every node of one job."""
     time_limit: str = "00:30:00"
     cpus_per_task: int = 32
+    kill_on_bad_exit: bool = True
+    """srun --kill-on-bad-exit: one task (one node's agent) failing ends the whole step; False lets the others run on."""
+    torchrun_args: tuple[str, ...] = ()
+    """Extra torchrun flags (the sbatch script), e.g. ("--monitor-interval=0.1", "--rdzv-conf=last_call_timeout=3")."""
 
     def check(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1 or not 0 <= self.min_nodes <= self.nodes:
@@ -94,9 +98,25 @@ def render_node_command(job: ClusterJob, node_rank: int, local_addr: str | None 
                                                 "local_addr": address})
 
 
-def render_sbatch(job: ClusterJob) -> str:
-    """The Slurm batch script: one task per node, torchrun in each, rendezvous on the first allocated host."""
-    return render("sbatch_torchrun.sh.template", _values(job))
+NCCL_EXPORTS = ("export NCCL_SOCKET_IFNAME={ifname}   # IP interface for NCCL's bootstrap and socket traffic "
+                "(ib0 = IP over IB)\nexport NCCL_IB_HCA={hca}                 # InfiniBand adapters NCCL's IB "
+                "transport may use\n")
+GLOO_EXPORTS = "export GLOO_SOCKET_IFNAME={ifname}   # IP interface gloo's sockets use (an exact name, the same on every node)\n"
+
+
+def render_sbatch(job: ClusterJob, gpus: bool = True) -> str:
+    """The Slurm batch script: one task per node, torchrun in each, rendezvous on the first allocated host.
+
+    gpus=False: the CPU variant for a cluster without GPUs (no --gpus-per-node, which such a cluster refuses;
+    gloo's GLOO_SOCKET_IFNAME instead of NCCL's variables); gpus_per_node is then the ranks per node.
+    """
+    values = _values(job)
+    values.update(gpus_directive=f"#SBATCH --gpus-per-node={job.gpus_per_node}\n" if gpus else "",
+                  interface_exports=(NCCL_EXPORTS.format(ifname=job.socket_ifname, hca=job.ib_hca) if gpus
+                                     else GLOO_EXPORTS.format(ifname=job.socket_ifname)),
+                  kill_on_bad_exit="1" if job.kill_on_bad_exit else "0",
+                  torchrun_args="".join(f" {shlex.quote(arg)}" for arg in job.torchrun_args))
+    return render("sbatch_torchrun.sh.template", values)
 
 
 def rendezvous_demo(port: int, run_id: str = "demo") -> dict:

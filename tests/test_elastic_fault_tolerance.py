@@ -146,6 +146,23 @@ def test_rendered_cluster_scripts_are_valid_bash_with_every_value_filled(tmp_pat
         assert "--rdzv-endpoint=gpu-a01:29611" in text
 
 
+def test_the_cpu_variant_asks_for_no_gpus_and_names_gloos_interface(tmp_path):
+    """render_sbatch(job, gpus=False): a cluster without GPUs refuses --gpus-per-node; gloo reads GLOO_SOCKET_IFNAME.
+    The GPU variant keeps both NCCL variables and the GPU request (tests/test_slurm_cluster.py runs the CPU one)."""
+    import subprocess
+    from labsrc.elastic_fault_tolerance_cluster import ClusterJob, render_sbatch
+    job = ClusterJob(nodes=2, min_nodes=1, gpus_per_node=1, cpus_per_task=1, kill_on_bad_exit=False,
+                     torchrun_args=("--monitor-interval=0.1",))
+    cpu, gpu = render_sbatch(job, gpus=False), render_sbatch(job)
+    script = tmp_path / "job.sh"
+    script.write_text(cpu)
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0, cpu
+    assert "#SBATCH --gpus-per-node" not in cpu and "export NCCL_" not in cpu and "export GLOO_SOCKET_IFNAME=eth0" in cpu
+    assert "#SBATCH --gpus-per-node=1\n" in gpu and "NCCL_SOCKET_IFNAME=eth0" in gpu and "GLOO_" not in gpu
+    assert "--kill-on-bad-exit=0" in cpu and "--kill-on-bad-exit=1" in render_sbatch(ClusterJob())
+    assert "--max-restarts=3 --monitor-interval=0.1 \\\n" in cpu
+
+
 @pytest.mark.parametrize("values, message", [
     ({"socket_ifname": "mlx5_0"}, "not an IP interface"),
     ({"ib_hca": "ib0"}, "not an InfiniBand adapter"),

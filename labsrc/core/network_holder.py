@@ -144,9 +144,23 @@ def holder_processes() -> list:
     return [proc for proc in found.values() if proc.info["ppid"] not in found]
 
 
+def in_other_pid_namespace(pid: int) -> bool:
+    """Is `pid` in a PID namespace other than ours (e.g. an emulated Slurm cluster's, labsrc.core.slurm_holder)?
+
+    Its pids (--parent, LABSRC_NETWORK_HOLDER) are numbers of that namespace, which we cannot check from here;
+    it needs no check: every process in it dies with the namespace's first process.
+    """
+    try:
+        return os.stat(f"/proc/{pid}/ns/pid").st_ino != os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return False
+
+
 def holder_is_live(pid: int) -> bool:
-    """Is `pid` a holder whose launcher still runs (the launcher is its parent)?"""
+    """Is `pid` a holder whose launcher still runs (the launcher is its parent), or one of another PID namespace?"""
     import psutil
+    if in_other_pid_namespace(pid):
+        return True
     try:
         proc = psutil.Process(pid)
         cmdline = proc.cmdline()
@@ -171,7 +185,8 @@ def end_stale_leftovers() -> int:
         except (psutil.Error, OSError):
             continue
         # checked now, not from a list made earlier: a run starting beside this one is live, not stale
-        if holder and (not holder.isdigit() or not holder_is_live(int(holder))):
+        if holder and not in_other_pid_namespace(proc.pid) and (not holder.isdigit()
+                                                                or not holder_is_live(int(holder))):
             leftovers.append(proc)
     for proc in [*leftovers, *stale]:
         _kill(proc)

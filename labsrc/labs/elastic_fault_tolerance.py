@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import signal
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,8 @@ class Resume(Record):
     refused_why: str = ""
     rng: str = ""
     """How this rank's RNG state was restored."""
+    host: str = ""
+    """The host name of the machine (node) it ran on: node0, node1 on the emulated Slurm cluster."""
 
 
 @dataclass
@@ -169,7 +172,7 @@ def resume(ctx, records, run: Training, path: Path) -> None:
     records.write(Resume(restart_count=current_attempt(), world_size=ctx.world_size,
                          node_rank=int(os.environ.get("GROUP_RANK", 0)), pid=os.getpid(),
                          started_wall=time.time(), resumed_from_step=run.steps_done, snapshot=found,
-                         refused_why=why, rng=rng))
+                         refused_why=why, rng=rng, host=socket.gethostname()))
     if found == "refused":
         raise SnapshotCorrupt(why)
     print(f"world {ctx.world_size}: resumed from step {run.steps_done} ({found}); RNG {rng}", flush=True)

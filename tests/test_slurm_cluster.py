@@ -1,0 +1,106 @@
+"""The course's rendered sbatch script on a real Slurm cluster of emulated nodes (labsrc.core.slurm_cluster).
+
+Needs root and Debian's slurm-wlm and munge (`make test-slurm` installs them); skips with the reason elsewhere.
+One cluster for the module: the elastic lab across node0 and node1, then node1 lost two ways (its torchrun agent
+SIGKILLed, its link cut), each with srun --kill-on-bad-exit=1 and =0. About 3 minutes.
+"""
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from labsrc.core import slurm_cluster
+
+FOUND = slurm_cluster.availability()
+pytestmark = pytest.mark.skipif(not FOUND.ok, reason=FOUND.reason)
+
+
+def leftovers() -> list[str]:
+    """Processes of a Slurm cluster still alive, and cluster folders still on disk."""
+    import psutil
+    names = {"slurmctld", "slurmd", "slurmstepd", "munged"}
+    alive = [f"{p.pid} {p.info['name']}" for p in psutil.process_iter(["name"]) if p.info["name"] in names]
+    return alive + [str(f) for f in Path(tempfile.gettempdir()).glob(slurm_cluster.FOLDER_PREFIX + "*")]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    slurm_cluster.remove_stale_folders()  # a crashed run's folder; its processes died with it
+    before = leftovers()
+    assert not before, f"a Slurm cluster is already running here (or left behind): {before}"
+    with slurm_cluster.SlurmCluster(nodes=2) as running:
+        yield running
+    assert leftovers() == [], "the cluster left processes or its folder behind"
+
+
+def test_two_nodes_with_their_own_names_addresses_and_interface(cluster):
+    assert cluster.client("sinfo", "--noheader", "--Node", "--format=%N %T").split() == \
+        ["node0", "idle", "node1", "idle"]
+    lines = cluster.client("srun", "--nodes=2", "--ntasks-per-node=1", "--label", "sh", "-c",
+                           "echo $(hostname) $SLURM_NODEID $(ip -4 -o addr show eth0 | awk '{print $4}')")
+    seen = sorted(line.split(": ", 1)[1] for line in lines.strip().splitlines())
+    assert seen == ["node0 0 198.18.0.1/15", "node1 1 198.18.0.2/15"]
+    assert open("/etc/hosts").read().count("198.18.0.") == 0, "the machine's own hosts file is untouched"
+
+
+def test_the_rendered_script_runs_the_elastic_lab_across_both_nodes(cluster):
+    from labsrc.elastic_fault_tolerance_slurm import run_job
+    outcome = run_job(cluster, "none")
+    assert (outcome.state, outcome.exit_code) == ("COMPLETED", "0:0"), outcome.output[-3000:]
+    assert outcome.hosts_at_world_2 == {"node0", "node1"}, outcome.starts
+    assert outcome.finished_world == 2
+
+
+@pytest.mark.parametrize("kill_on_bad_exit", [True, False], ids=["kill-on-bad-exit", "no-kill-on-bad-exit"])
+def test_node1s_agent_killed(cluster, kill_on_bad_exit):
+    """srun --kill-on-bad-exit=1 ends node0's agent too: nothing finishes. Without it node0's agent restarts its
+    rank alone (--nnodes=1:2) and the lab finishes at world size 1, yet Slurm still calls the job FAILED: srun
+    exits with the killed task's status, and the script's `set -e` passes it on."""
+    from labsrc.elastic_fault_tolerance_slurm import run_job
+    outcome = run_job(cluster, "kill_agent", kill_on_bad_exit=kill_on_bad_exit)
+    assert outcome.state == "FAILED" and outcome.exit_code == "137:0", (outcome, outcome.output[-3000:])
+    assert outcome.hosts_at_world_2 == {"node0", "node1"}
+    if kill_on_bad_exit:
+        assert outcome.finished_world == 0 and all(world == 2 for world, _, _ in outcome.starts), outcome.starts
+    else:
+        assert (1, "node0", 1) in outcome.starts, outcome.starts
+        assert outcome.finished_world == 1
+        assert outcome.derived_exit_code == "0:9", "the worst step ended by signal 9, node1's SIGKILL"
+
+
+@pytest.mark.parametrize("kill_on_bad_exit", [True, False], ids=["kill-on-bad-exit", "no-kill-on-bad-exit"])
+def test_node1s_link_cut(cluster, kill_on_bad_exit):
+    """A node that stops answering is Slurm's to judge, not srun's: after SlurmdTimeout slurmctld sets node1 DOWN
+    and kills the whole job (NODE_FAIL), with --kill-on-bad-exit or without, before torchrun re-forms on node0."""
+    from labsrc.elastic_fault_tolerance_slurm import run_job
+    outcome = run_job(cluster, "cut_link", kill_on_bad_exit=kill_on_bad_exit)
+    assert (outcome.state, outcome.reason) == ("NODE_FAIL", "NodeDown"), (outcome, outcome.output[-3000:])
+    assert outcome.finished_world == 0
+    assert outcome.hosts_at_world_2 == {"node0", "node1"}
+    assert "node1" in cluster.client("sinfo", "--noheader", "--Node", "--states=idle", "--format=%N"), \
+        "node1 is back in service once its link is restored (ReturnToService=2)"
+
+
+def test_a_killed_launcher_leaves_nothing_behind():
+    """SIGKILL the process that started a cluster: every Slurm process and namespace dies with it; the folder goes
+    at the next start."""
+    import signal
+    import sys
+    import time
+    code = ("from labsrc.core.slurm_cluster import SlurmCluster; import sys, time; c = SlurmCluster(nodes=1); "
+            "print(c.folder, flush=True); time.sleep(600)")
+    before = set(leftovers())  # the module's cluster, if it is still up
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, env=env)
+    folder = Path(proc.stdout.readline().strip())
+    assert (folder / "slurm.conf").exists()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 10
+    while set(leftovers()) - before - {str(folder)} and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert set(leftovers()) - before == {str(folder)}
+    assert folder.exists(), "bookkeeping: the folder outlives a killed launcher"
+    assert slurm_cluster.remove_stale_folders() >= 1 and not folder.exists()
