@@ -72,7 +72,8 @@ test-notebooks: setup
 slurm-packages:
 	@if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null) \
+			|| echo "slurm-wlm and munge could not be installed: the Slurm tests will skip"; \
 	else echo "Slurm is not installed: as root on Debian/Ubuntu run  apt-get install -y slurm-wlm munge  (the emulated cluster needs root)."; fi
 
 slurm-cluster: setup slurm-packages

@@ -157,10 +157,8 @@ def in_other_pid_namespace(pid: int) -> bool:
 
 
 def holder_is_live(pid: int) -> bool:
-    """Is `pid` a holder whose launcher still runs (the launcher is its parent), or one of another PID namespace?"""
+    """Is `pid` (a pid of this PID namespace) a holder whose launcher still runs (the launcher is its parent)?"""
     import psutil
-    if in_other_pid_namespace(pid):
-        return True
     try:
         proc = psutil.Process(pid)
         cmdline = proc.cmdline()
@@ -177,7 +175,9 @@ def end_stale_leftovers() -> int:
     long as a process in it, so ending these frees every namespace, interface and qdisc. Returns how many.
     """
     import psutil
-    stale = [proc for proc in holder_processes() if not holder_is_live(proc.pid)]
+    # A holder of another PID namespace (the emulated Slurm cluster's) belongs to that namespace's own launcher.
+    stale = [proc for proc in holder_processes()
+             if not in_other_pid_namespace(proc.pid) and not holder_is_live(proc.pid)]
     leftovers = processes_in_namespaces(namespaces_of([p for h in stale for p in _family(h)])) if stale else []
     for proc in psutil.process_iter():
         try:

@@ -180,9 +180,18 @@ class SlurmCluster:
             start_new_session=True, preexec_fn=die_with_parent)
         ready = self._answer(READY_TIMEOUT_S + 30)
         if "error" in ready:
+            logs = self._log_tails()  # read before stop() removes the folder
             self.stop()
-            raise RequestError(f"the emulated Slurm cluster did not start: {ready['error']}")
+            raise RequestError(f"the emulated Slurm cluster did not start: {ready['error']}{logs}")
         self.head_pid = self._host_pid(ready["head"])
+
+    def _log_tails(self, lines: int = 8) -> str:
+        """The last lines of each daemon's log, for an error raised after the folder is gone."""
+        tails = []
+        for log in sorted((self.folder / "log").glob("*.log")):
+            text = log.read_text(errors="replace").strip().splitlines()[-lines:]
+            tails.append(f"\n--- {log.name}:\n" + "\n".join(text))
+        return "".join(tails)
 
     def _answer(self, timeout: float) -> dict:
         readable, _, _ = select.select([self.holder.stdout], [], [], timeout)

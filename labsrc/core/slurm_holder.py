@@ -97,7 +97,7 @@ class Daemons:
             return len(states) == 2 * self.nodes and all(s.startswith("idle") for s in states[1::2])
 
         wait_for(idle, READY_TIMEOUT_S, lambda: [self.check_running(pid, name) for pid, name in started],
-                 "the nodes did not become idle in time; see the logs in " + str(folder / "log"))
+                 "the nodes did not become idle in time (the daemons' logs follow)")
 
 
 def wait_for(done, timeout: float, check, what: str) -> None:
