@@ -106,7 +106,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, args: tuple = (), kwargs:
 
 
 # Fresh ranks: one interpreter each (python -m labsrc.core.forked FOLDER RANK WORLD_SIZE), the call in
-# FOLDER/call.pkl (the caller's sys.path in path.pkl), each rank's (ok, value or traceback) in FOLDER/result<rank>.pkl, its output in FOLDER/out<rank>.
+# FOLDER/call.pkl (the caller's sys.path in path.pkl), each rank's (ok, value or traceback) in
+# FOLDER/result<rank>.pkl, its output in FOLDER/out<rank>.
 # Each rank is its own session (killing it ends its children too) and dies with its caller (a kernel that Jupyter
 # kills takes its fresh ranks with it, as it took its forked ones).
 IMPORT_S = 60.0  # a fresh interpreter's import of torch, on a busy machine, before the caller's timeout counts
@@ -138,7 +139,7 @@ def _run_fresh(fn, world_size: int, args: tuple, kwargs: dict, timeout_s: float)
                             failure = f"rank {rank} raised:\n{value}"
                             break
                         collected[rank] = pickle.loads(value)
-                    elif children[rank].poll() is not None:
+                    elif children[rank].poll() is not None and not result.exists():  # exited just after writing?
                         output = (root / f"out{rank}").read_text(errors="replace")[-3000:]
                         failure = f"rank {rank} exited ({children[rank].returncode}) with no result:\n{output}"
                         break
