@@ -13,17 +13,16 @@ kernel has the netem qdisc (availability().netem); where it has not, the lessons
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
-import select
 import shutil
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 
-from labsrc.core.network_holder import HOLDER_ENV, HOLDER_MODULE, INTERFACE, end_stale_leftovers, node_address
+from labsrc.core.network_holder import (HOLDER_ENV, HOLDER_MODULE, INTERFACE, end_stale_leftovers, node_address,
+                                         read_answer)
 from labsrc.core.world import RequestError
 
 SWITCH_ENV = "LABSRC_EMULATED_NODES"  # "off": behave as if emulated nodes were unavailable
@@ -175,16 +174,7 @@ class Network:
         self.node_pids: list[int] = ready["nodes"]
 
     def _answer(self, timeout: float) -> dict:
-        """The holder's next JSON line, or an error if it says nothing in time or dies."""
-        readable, _, _ = select.select([self.holder.stdout], [], [], timeout)
-        line = self.holder.stdout.readline() if readable else ""
-        if not line:
-            if self.holder.poll() is None:
-                self.holder.kill()
-            self.holder.wait()
-            return {"error": f"the network holder said nothing in {timeout:g} s (exit {self.holder.returncode}): "
-                             f"{self.holder.stderr.read().strip()[-800:]}"}
-        return json.loads(line)
+        return read_answer(self.holder, timeout, "network holder")
 
     def address(self, node: int) -> str:
         return node_address(node)

@@ -156,6 +156,20 @@ def in_other_pid_namespace(pid: int) -> bool:
         return False
 
 
+def read_answer(holder: subprocess.Popen, timeout: float, who: str) -> dict:
+    """A holder's next JSON line on its stdout, or {"error": ...} if it says nothing in time or dies (then ended)."""
+    import select
+    readable, _, _ = select.select([holder.stdout], [], [], timeout)
+    line = holder.stdout.readline() if readable else ""
+    if not line:
+        if holder.poll() is None:
+            holder.kill()
+        holder.wait()
+        return {"error": f"the {who} said nothing in {timeout:g} s (exit {holder.returncode}): "
+                         f"{holder.stderr.read().strip()[-800:]}"}
+    return json.loads(line)
+
+
 def holder_is_live(pid: int) -> bool:
     """Is `pid` (a pid of this PID namespace) a holder whose launcher still runs (the launcher is its parent)?"""
     import psutil

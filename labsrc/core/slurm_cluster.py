@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import shutil
 import subprocess
 import sys
@@ -27,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from labsrc.core.network_holder import node_address
+from labsrc.core.network_holder import node_address, read_answer
 from labsrc.core.slurm_holder import HEAD, HOLDER_MODULE, READY_TIMEOUT_S, node_name
 from labsrc.core.world import RequestError
 
@@ -194,15 +193,7 @@ class SlurmCluster:
         return "".join(tails)
 
     def _answer(self, timeout: float) -> dict:
-        readable, _, _ = select.select([self.holder.stdout], [], [], timeout)
-        line = self.holder.stdout.readline() if readable else ""
-        if not line:
-            if self.holder.poll() is None:
-                self.holder.kill()
-            self.holder.wait()
-            return {"error": f"the Slurm holder said nothing in {timeout:g} s (exit {self.holder.returncode}): "
-                             f"{self.holder.stderr.read().strip()[-800:]}"}
-        return json.loads(line)
+        return read_answer(self.holder, timeout, "Slurm holder")
 
     def _host_pid(self, namespace_pid: int) -> int:
         """This machine's pid of a process the holder knows by its pid inside the cluster's PID namespace."""
