@@ -53,11 +53,23 @@ def returns_a_copy(parameters, group=None, timeout_s=30.0):
     return copy / dist.get_world_size(group)
 
 
+def divide_by_world_size(parameters, group=None, timeout_s=30.0):
+    _all_reduce(parameters, group, timeout_s)
+    parameters.div_(dist.get_world_size())
+
+
+def group_ignored(parameters, group=None, timeout_s=30.0):
+    _all_reduce(parameters, None, timeout_s)
+    parameters.div_(dist.get_world_size(group))
+
+
 @pytest.mark.parametrize("wrong, named", [
     (sum_only, "sum"),
     (divide_by_two, "divided by 2, but 3 workers"),
     (no_communication, "unchanged"),
     (returns_a_copy, "in place"),
+    (divide_by_world_size, r"divided by 3, but 2 workers took part \(the group is ranks \[1, 2\]"),
+    (group_ignored, "pass group=group"),
 ])
 def test_average_parameters_mistakes_are_named(wrong, named):
     with pytest.raises(ExerciseFailed, match=named):
