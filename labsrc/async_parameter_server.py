@@ -1,11 +1,16 @@
 """A parameter server from point-to-point messages: rank 0 holds the parameters, workers pull them and push gradients.
 
-Three modes on one seeded regression problem:
+Four modes on one seeded regression problem:
   sync     the server waits for one gradient from every worker, applies their mean: one update per round;
   async    the server applies each gradient the moment it arrives, whatever version it was computed on;
-  bounded  async, but a gradient more than `bound` updates old (its staleness) is rejected, not applied.
+  bounded  async, but a gradient more than `bound` updates old (its staleness) is rejected, not applied;
+  ssp      stale synchronous parallel (Ho et al. 2013): every gradient is applied at once, but a worker's clock
+           (gradients it has pushed) may run at most `clock_bound` ahead of the slowest worker's: a faster worker's
+           reply is held until the slowest catches up. Nothing is dropped; fast workers wait instead.
 The server handles messages in arrival order and records every one (`Update`), so a single process can replay
-the run (labsrc.async_parameter_server_analysis.replay) and must get the same parameters bit for bit.
+the run (labsrc.async_parameter_server_analysis.replay) and must get the same parameters bit for bit. It also
+records, per reply, how long the worker was held and the clock gap it was released at (every mode, so async's
+unbounded gap and SSP's bounded one are measured the same way).
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-MODES = ("sync", "async", "bounded")
+MODES = ("sync", "async", "bounded", "ssp")
 GRADIENT_HEADER = 3
 """A gradient message is [worker rank, worker step, version it was computed on, gradient (parameters,)]."""
 REPLY_HEADER = 2
@@ -78,7 +83,7 @@ class Settings:
     """One parameter-server run."""
 
     mode: str
-    """sync, async or bounded."""
+    """sync, async, bounded or ssp."""
     workers: tuple[int, ...]
     """The ranks that compute gradients (the server is rank 0)."""
     gradients: int
@@ -93,6 +98,8 @@ class Settings:
     """Each delay is drawn uniformly in mean * (1 ± jitter), seeded by (worker, step)."""
     timeout_s: float = 30.0
     """Seconds any one send or receive may wait before it raises."""
+    clock_bound: int = 0
+    """ssp mode: the most clocks (gradients pushed) a worker may be ahead of the slowest before it is held."""
 
 
 def compute_delay(settings: Settings, problem: Problem, index: int, step: int) -> float:
@@ -140,6 +147,17 @@ class ServerState:
     updates: list = field(default_factory=list)
     traffic: Traffic = field(default_factory=Traffic)
     round: list = field(default_factory=list)
+    clocks: dict = field(default_factory=dict)
+    """{worker: gradients it has pushed and the server has handled}: the worker's clock."""
+    last: dict = field(default_factory=dict)
+    """{worker: the record of its gradient the server has not answered yet}."""
+    held: list = field(default_factory=list)
+    """ssp: workers whose reply waits for the slowest worker, in the order they arrived."""
+
+
+def clock_gap(state: ServerState, worker: int) -> int:
+    """How many clocks worker is ahead of the slowest worker (0 for the slowest)."""
+    return state.clocks[worker] - min(state.clocks.values())
 
 
 def _reply(state: ServerState, worker: int, status: float, timeout_s: float) -> None:
@@ -150,8 +168,20 @@ def _reply(state: ServerState, worker: int, status: float, timeout_s: float) -> 
 
 def _note(state: ServerState, data, arrival: dict, applied: bool, start: float) -> None:
     """Record one processed gradient: who, which version, how stale, applied or not, the loss after it."""
-    state.updates.append({**arrival, "server_version": arrival["arrived_at_version"], "applied": applied,
-                          "loss": full_loss(*data, state.parameters), "seconds": time.perf_counter() - start})
+    record = {**arrival, "server_version": arrival["arrived_at_version"], "applied": applied,
+              "loss": full_loss(*data, state.parameters), "seconds": time.perf_counter() - start,
+              "held": False, "held_s": 0.0, "clock_gap": None}
+    state.updates.append(record)
+    state.last[arrival["worker"]] = record
+
+
+def _answer(state: ServerState, worker: int, status: float, at_once: bool, timeout_s: float) -> None:
+    """Reply to worker's last gradient; record how long it was held and (if it goes on) its clock gap."""
+    record = state.last.pop(worker)
+    record["held"] = not at_once
+    record["held_s"] = time.perf_counter() - record["received"]
+    record["clock_gap"] = clock_gap(state, worker) if status == CONTINUE else None
+    _reply(state, worker, status, timeout_s)
 
 
 def _handle(state: ServerState, data, settings: Settings, arrival: dict, admit, start: float) -> list[int]:
@@ -168,13 +198,18 @@ def _handle(state: ServerState, data, settings: Settings, arrival: dict, admit, 
         for item in finished:
             _note(state, data, item, True, start)
         return [item["worker"] for item in finished]
-    admitted = settings.mode == "async" or admit(state.version, arrival["gradient_version"], settings.bound)
+    admitted = settings.mode != "bounded" or admit(state.version, arrival["gradient_version"], settings.bound)
     if admitted:
         state.parameters = state.parameters - settings.lr * arrival["gradient"]
         state.version += 1
         state.applied += 1
     _note(state, data, arrival, admitted, start)
-    return [arrival["worker"]]
+    if settings.mode != "ssp":
+        return [arrival["worker"]]
+    state.held.append(arrival["worker"])  # SSP: go on only while within clock_bound of the slowest worker
+    released = [worker for worker in state.held if clock_gap(state, worker) <= settings.clock_bound]
+    state.held = [worker for worker in state.held if worker not in released]
+    return released
 
 
 def serve(data, problem: Problem, settings: Settings, admit=within_bound) -> dict:
@@ -183,7 +218,7 @@ def serve(data, problem: Problem, settings: Settings, admit=within_bound) -> dic
     Returns {"parameters": final (features,), "updates": one dict per gradient handled, "traffic": Traffic,
     "seconds": wall time, "drained": gradients that arrived after the stop}.
     """
-    state = ServerState(initial_parameters(problem))
+    state = ServerState(initial_parameters(problem), clocks=dict.fromkeys(settings.workers, 0))
     buffer = torch.empty(GRADIENT_HEADER + problem.features)
     start = time.perf_counter()
     for worker in settings.workers:
@@ -192,6 +227,7 @@ def serve(data, problem: Problem, settings: Settings, admit=within_bound) -> dic
     while active:
         state.traffic.bytes_in += receive(buffer, None, settings.timeout_s)
         state.traffic.messages_in += 1
+        received = time.perf_counter()
         worker, step, gradient_version = (int(value) for value in buffer[:GRADIENT_HEADER].tolist())
         if state.applied >= settings.gradients:  # stopping: this gradient was in flight when the run ended
             drained += 1
@@ -201,14 +237,18 @@ def serve(data, problem: Problem, settings: Settings, admit=within_bound) -> dic
         arrival = {"order": len(state.updates) + len(state.round) + drained, "worker": worker,
                    "worker_step": step, "gradient_version": gradient_version,
                    "arrived_at_version": state.version, "staleness": state.version - gradient_version,
-                   "gradient": buffer[GRADIENT_HEADER:].clone()}
-        for answered in _handle(state, data, settings, arrival, admit, start):
+                   "gradient": buffer[GRADIENT_HEADER:].clone(), "received": received}
+        state.clocks[worker] += 1
+        answered = _handle(state, data, settings, arrival, admit, start)
+        if state.applied >= settings.gradients:  # the run is over: held workers are told to stop as well
+            answered, state.held = answered + state.held, []
+        for each in answered:
             status = STOP if state.applied >= settings.gradients else CONTINUE
-            _reply(state, answered, status, settings.timeout_s)
+            _answer(state, each, status, each == worker, settings.timeout_s)
             if status == STOP:
-                active.discard(answered)
+                active.discard(each)
     for update in state.updates:
-        del update["gradient"]
+        del update["gradient"], update["received"]
     return {"parameters": state.parameters, "updates": state.updates, "traffic": state.traffic,
             "seconds": time.perf_counter() - start, "drained": drained}
 

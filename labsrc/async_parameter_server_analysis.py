@@ -53,6 +53,14 @@ def throughput(updates: list, seconds: float) -> dict:
             "gradients_per_s": len(applied) / seconds if seconds > 0 else float("nan")}
 
 
+def waiting(updates: list) -> dict:
+    """Replies held back (blocked pulls), the seconds they waited, and the largest clock gap a worker went on at."""
+    held = [u for u in updates if _field("held")(u)]
+    gaps = [_field("clock_gap")(u) for u in updates if _field("clock_gap")(u) is not None]
+    return {"blocked": len(held), "idle_s": sum(_field("held_s")(u) for u in held),
+            "max_clock_gap": max(gaps, default=0)}
+
+
 def server_bytes_per_round(workers: int, parameters: int, element_size: int = 4) -> int:
     """Bytes into the server while each of `workers` pushes one gradient (with its header)."""
     return workers * (parameters + GRADIENT_HEADER) * element_size

@@ -52,3 +52,52 @@ def synchronous_sgd(data, problem: Problem, workers: tuple[int, ...], steps: int
         grads = [gradient(*data, parameters, batch_rows(problem, worker, step)) for worker in workers]
         parameters = parameters - lr * torch.stack(grads).mean(0)
     return parameters
+
+
+def outer_step(global_parameters: torch.Tensor, averaged: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+    """DiLoCo's outer step: the pseudo-gradient θ_global − mean θ_local fed to the outer optimizer as a gradient."""
+    global_parameters.grad = global_parameters.detach() - averaged
+    optimizer.step()
+
+
+def diloco(rank: int, data, problem: Problem, steps: int, every: int, lr: float, outer_lr: float,
+           outer_momentum: float, group=None, timeout_s: float = 30.0) -> dict:
+    """DiLoCo (Douillard et al. 2023) on this worker: `every` inner SGD steps from the global parameters, then
+    average the workers' parameters (one all_reduce) and take an outer SGD step with Nesterov momentum on the
+    pseudo-gradient; every worker then restarts from the new global parameters (and after the last, partial round).
+
+    With outer_lr 1 and outer_momentum 0 the outer step lands on the average: plain local SGD up to rounding.
+    Every worker holds the same global parameters and outer momentum (each applies the same averaged step).
+    Returns the final global parameters, the all_reduce calls, and [(local steps done, loss of the global ones)].
+    """
+    global_parameters = torch.nn.Parameter(initial_parameters(problem))
+    outer = torch.optim.SGD([global_parameters], lr=outer_lr, momentum=outer_momentum,
+                            nesterov=outer_momentum > 0)
+    parameters = global_parameters.detach().clone()
+    calls, curve = 0, []
+    for step in range(steps):
+        parameters -= lr * gradient(*data, parameters, batch_rows(problem, rank, step))
+        if (step + 1) % every == 0 or step + 1 == steps:
+            average_parameters(parameters, group, timeout_s)
+            calls += 1
+            outer_step(global_parameters, parameters, outer)
+            parameters = global_parameters.detach().clone()
+            curve.append((step + 1, full_loss(*data, parameters)))
+    return {"parameters": parameters, "calls": calls, "curve": curve}
+
+
+def diloco_reference(data, problem: Problem, workers: tuple[int, ...], steps: int, every: int, lr: float,
+                     outer_lr: float, outer_momentum: float) -> torch.Tensor:
+    """One process, written out: each round every worker's inner steps from the global parameters, then
+    pseudo-gradient g = θ − mean θ_local, momentum buffer b = μ b + g, θ ← θ − outer_lr (g + μ b) (Nesterov, as
+    torch.optim.SGD(nesterov=True) computes it). Final global parameters (features,)."""
+    theta, buffer = initial_parameters(problem), None
+    local = [theta.clone() for _ in workers]
+    for step in range(steps):
+        local = [p - lr * gradient(*data, p, batch_rows(problem, w, step)) for p, w in zip(local, workers)]
+        if (step + 1) % every == 0 or step + 1 == steps:
+            pseudo = theta - torch.stack(local).mean(0)
+            buffer = pseudo.clone() if buffer is None else outer_momentum * buffer + pseudo
+            theta = theta - outer_lr * (pseudo + outer_momentum * buffer if outer_momentum > 0 else pseudo)
+            local = [theta.clone() for _ in workers]
+    return theta

@@ -89,6 +89,39 @@ def test_bounded_staleness_never_exceeds_the_bound_and_rejects_the_rest():
     assert torch.equal(replayed, server["parameters"])
 
 
+def test_ssp_holds_the_fast_worker_within_the_clock_bound_and_drops_nothing():
+    settings = {"gradients": 60, "delays_s": (0.001, 0.008), "jitter": 0.2}
+    ssp = run_mode("ssp", 2, clock_bound=1, **settings)[0]
+    free = run_mode("async", 2, **settings)[0]
+    gaps = [u["clock_gap"] for u in ssp["updates"] if u["clock_gap"] is not None]
+    assert max(gaps) <= 1, "a worker went on more than clock_bound clocks ahead of the slowest"
+    assert max(u["clock_gap"] for u in free["updates"] if u["clock_gap"] is not None) > 1, "async had no gap to bound"
+    assert all(u["applied"] for u in ssp["updates"]) and len(ssp["updates"]) == 60, "SSP drops nothing"
+    held = [u for u in ssp["updates"] if u["held"]]
+    assert held and sum(u["worker"] == 1 for u in held) > len(held) / 2, "the fast worker waits for the slow one"
+    assert analysis.waiting(ssp["updates"])["blocked"] == len(held)
+    assert max(u["staleness"] for u in ssp["updates"]) <= (2 - 1) * (2 * 1 + 1)  # (n-1)(2s+1): see notebook 11
+    replayed = analysis.replay(ps.make_data(PROBLEM), PROBLEM, "ssp", LR, 2, ssp["updates"])
+    assert torch.equal(replayed, ssp["parameters"])
+
+
+def diloco_on_rank(ctx, steps, every, outer_lr, momentum):
+    data = ps.make_data(PROBLEM)
+    return (local.diloco(ctx.rank + 1, data, PROBLEM, steps, every, LR, outer_lr, momentum),
+            local.local_sgd(ctx.rank + 1, data, PROBLEM, steps, every, LR))
+
+
+def test_diloco_is_local_sgd_at_outer_lr_one_and_matches_its_reference_with_nesterov():
+    plain = run_ranks(diloco_on_rank, 2, (12, 5, 1.0, 0.0))
+    torch.testing.assert_close(plain[0][0]["parameters"], plain[0][1]["parameters"])
+    outer = run_ranks(diloco_on_rank, 2, (12, 5, 0.7, 0.9))
+    assert torch.equal(outer[0][0]["parameters"], outer[1][0]["parameters"]), "workers end on the same parameters"
+    assert outer[0][0]["calls"] == local.expected_calls(12, 5)
+    reference = local.diloco_reference(ps.make_data(PROBLEM), PROBLEM, (1, 2), 12, 5, LR, 0.7, 0.9)
+    torch.testing.assert_close(outer[0][0]["parameters"], reference)
+    assert not torch.allclose(outer[0][0]["parameters"], plain[0][0]["parameters"], atol=1e-3)
+
+
 @pytest.mark.parametrize("workers", [1, 2, 3])
 def test_bytes_into_the_server_per_round_match_the_formula(workers):
     server = run_mode("sync", workers, gradients=6 * workers)[0]
@@ -145,7 +178,7 @@ def test_admission_check_and_unknown_mode():
 
 
 @pytest.mark.parametrize("values", [{"backend": "nccl"}, {"bound": -1}, {"jitter": 1.0}, {"average_every": (0,)},
-                                    {"gradients": 0}])
+                                    {"gradients": 0}, {"clock_bound": -1}, {"outer_momentum": 1.0}])
 def test_options_reject_bad_values(values):
     with pytest.raises(RequestError):
         Options.make(**values)

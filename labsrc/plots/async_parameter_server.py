@@ -1,11 +1,11 @@
-"""Figures of notebook 11 (parameter server): staleness histogram, loss curves, bytes into the server, local SGD."""
+"""Figures of notebook 11 (parameter server): staleness, clock gaps, loss curves, bytes into the server, local SGD."""
 from __future__ import annotations
 
-from labsrc.labs.async_parameter_server import Bottleneck, LocalSgd, Update
+from labsrc.labs.async_parameter_server import Bottleneck, Diloco, LocalSgd, Update
 from labsrc.plots import new_axes
 
-RUNS = ("sync", "async", "bounded")
-COLOURS = {"sync": "tab:blue", "async": "tab:orange", "bounded": "tab:green"}
+RUNS = ("sync", "async", "bounded", "ssp")
+COLOURS = {"sync": "tab:blue", "async": "tab:orange", "bounded": "tab:green", "ssp": "tab:purple"}
 
 
 def staleness_histogram(result, bound: int):
@@ -71,4 +71,32 @@ def local_sgd_curves(result):
                 label=f"k = {run.every}: {run.calls} all_reduce calls")
     ax.set_yscale("log")
     ax.legend()
+    return ax.figure
+
+
+def clock_gaps(result, clock_bound: int):
+    """How many clocks each worker was ahead of the slowest when told to go on: async, reject policy and SSP."""
+    updates = result.of(Update, rank=0)
+    ax = new_axes("Clock gap at each reply", "gradient handled (arrival order)", "clocks ahead of the slowest worker")
+    for key in ("async", "bounded", "ssp"):
+        replies = sorted((u for u in updates if u.experiment == key and u.clock_gap is not None), key=lambda u: u.order)
+        ax.plot([u.order for u in replies], [u.clock_gap for u in replies], ".", markersize=3, color=COLOURS[key],
+                label=key)
+    ax.axhline(clock_bound, color="black", linestyle="--", label=f"SSP bound s = {clock_bound}")
+    ax.set_yscale("symlog", linthresh=4)
+    ax.legend()
+    return ax.figure
+
+
+def diloco_curves(result):
+    """Loss of the global parameters after each DiLoCo outer step, per (inner lr, outer lr, outer momentum)."""
+    runs = [run for run in result.of(Diloco) if run.rank == min(r.rank for r in result.of(Diloco))]
+    ax = new_axes("DiLoCo: outer step on the averaged pseudo-gradient", "local steps per worker", "mean squared error")
+    for run in runs:
+        style = "-" if run.outer_momentum == 0 else ("--" if run.outer_lr == 1.0 else ":")
+        ax.plot([point[0] for point in run.curve], [point[1] for point in run.curve], "o" + style,
+                color="tab:blue" if run.inner_lr == max(r.inner_lr for r in runs) else "tab:red",
+                label=f"inner lr {run.inner_lr}, outer lr {run.outer_lr}, momentum {run.outer_momentum}")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
     return ax.figure
