@@ -14,6 +14,8 @@ from labsrc.core.exercises import ExerciseFailed, on_ranks, passed
 
 PROBLEM = ps.Problem(features=8, samples=256, batch=8, seed=5)
 CASES = [(server, gradient, bound) for bound in (0, 1, 3) for server in range(6) for gradient in range(server + 1)]
+"""Every reachable case: a gradient's version is one the server handed out, so it never exceeds the server's. On
+these `abs(server - gradient) <= bound` is the right answer too (it only differs where no run can go)."""
 
 
 def _admit_verdict(admit: Callable) -> str | None:
