@@ -209,7 +209,8 @@ def experiments(workers: tuple[int, ...], options: Options) -> list[tuple[str, s
     lr, large = options.lr, options.large_lr
     return [("one_worker_sync", "sync", workers[:1], lr), ("one_worker_async", "async", workers[:1], lr),
             ("sync", "sync", workers, lr), ("async", "async", workers, lr), ("bounded", "bounded", workers, lr),
-            ("ssp", "ssp", workers, lr), ("sync_large_lr", "sync", workers, large), ("async_large_lr", "async", workers, large)]
+            ("ssp", "ssp", workers, lr), ("sync_large_lr", "sync", workers, large),
+            ("async_large_lr", "async", workers, large)]
 
 
 def settings_for(mode: str, ranks: tuple[int, ...], lr: float, options: Options) -> ps.Settings:

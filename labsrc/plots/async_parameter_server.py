@@ -82,7 +82,8 @@ def clock_gaps(result, clock_bound: int):
         replies = sorted((u for u in updates if u.experiment == key and u.clock_gap is not None), key=lambda u: u.order)
         ax.plot([u.order for u in replies], [u.clock_gap for u in replies], ".", markersize=3, color=COLOURS[key],
                 label=key)
-    ax.axhline(clock_bound, color="black", linestyle="--", linewidth=0.8, zorder=0, label=f"SSP bound s = {clock_bound}")
+    ax.axhline(clock_bound, color="black", linestyle="--", linewidth=0.8, zorder=0,
+               label=f"SSP bound s = {clock_bound}")
     ax.set_yscale("symlog", linthresh=4)
     ax.set_ylim(bottom=-0.3)
     ax.legend()
