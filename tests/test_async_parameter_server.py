@@ -95,6 +95,7 @@ def test_ssp_holds_the_fast_worker_within_the_clock_bound_and_drops_nothing():
     free = run_mode("async", 2, **settings)[0]
     gaps = [u["clock_gap"] for u in ssp["updates"] if u["clock_gap"] is not None]
     assert max(gaps) <= 1, "a worker went on more than clock_bound clocks ahead of the slowest"
+    assert max(gaps) == 1, "SSP held the fast worker before it was clock_bound clocks ahead"
     assert max(u["clock_gap"] for u in free["updates"] if u["clock_gap"] is not None) > 1, "async had no gap to bound"
     assert all(u["applied"] for u in ssp["updates"]) and len(ssp["updates"]) == 60, "SSP drops nothing"
     held = [u for u in ssp["updates"] if u["held"]]
