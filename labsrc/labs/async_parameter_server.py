@@ -43,8 +43,8 @@ class Options(LabOptions):
     """A second pair of runs (sync, async) at this learning rate: lr x the largest curvature 4.5 stays under 2, so
     sync converges; stale gradients make async diverge."""
     bound: int = 1
-    """Bounded async: the largest staleness the server admits (1: the slow worker's gradients, about 5 updates old,
-    exceed it even when a busy machine narrows the gap between the workers)."""
+    """Bounded async: the largest staleness the server admits (1: most of the slow worker's gradients, 2 to 3
+    updates old on average in ci runs and up to 5 to 7, exceed it even when a busy machine narrows the gap)."""
     clock_bound: int = 2
     """SSP: the most clocks (gradients pushed) a worker may run ahead of the slowest before its reply is held."""
     delays_ms: tuple[float, ...] = (2.0, 10.0)
