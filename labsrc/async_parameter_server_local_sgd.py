@@ -54,6 +54,13 @@ def synchronous_sgd(data, problem: Problem, workers: tuple[int, ...], steps: int
     return parameters
 
 
+def local_sgd_reference(data, problem: Problem, workers: tuple[int, ...], steps: int, every: int,
+                        lr: float) -> torch.Tensor:
+    """One process: every worker's `every` SGD steps from the common parameters, then their mean (and after the last,
+    partial round); final parameters (features,). DiLoCo's reference with outer lr 1 and no momentum."""
+    return diloco_reference(data, problem, workers, steps, every, lr, outer_lr=1.0, outer_momentum=0.0)
+
+
 def outer_step(global_parameters: torch.Tensor, averaged: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
     """DiLoCo's outer step: the pseudo-gradient θ_global − mean θ_local fed to the outer optimizer as a gradient."""
     global_parameters.grad = global_parameters.detach() - averaged

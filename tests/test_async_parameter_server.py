@@ -155,6 +155,8 @@ def test_local_sgd_counts_calls_and_leaves_workers_equal(every, steps):
     assert results[0]["payload_bytes"] == local.expected_calls(steps, every) * PROBLEM.features * 4
     assert torch.equal(results[0]["parameters"], results[1]["parameters"])
     assert results[0]["curve"][-1][0] == steps
+    reference = local.local_sgd_reference(ps.make_data(PROBLEM), PROBLEM, (1, 2), steps, every, LR)
+    torch.testing.assert_close(results[0]["parameters"], reference)
 
 
 def lonely_worker(ctx):
