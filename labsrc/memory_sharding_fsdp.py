@@ -43,7 +43,8 @@ def local_bytes(tensors) -> int:
 
 
 def sharded_model(depth: int, width: int, setting: str, device: torch.device, seed: int = 0) -> nn.Module:
-    """deep_mlp with fully_shard on every Linear, then on the root (which keeps the first and last layers)."""
+    """deep_mlp with fully_shard on every Linear (first and last included), then on the root, which here
+    owns no parameter of its own (every Linear is its own unit; ReLUs have none)."""
     model = deep_mlp(depth, width, seed=seed).to(device)
     options = shard_options(setting, device)
     for layer in model:
