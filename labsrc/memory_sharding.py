@@ -59,6 +59,17 @@ def held_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the memory the tensors live in, each storage once: a view counts its whole buffer, two views of
+    one buffer count it once. What a rank really holds, whatever the code meant to keep."""
+    storages = {}
+    for tensor in tensors:
+        if tensor is not None:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in a torch optimizer's state (momentum, variance, step counters)."""
     return held_bytes(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))

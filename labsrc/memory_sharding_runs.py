@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from labsrc.memory_sharding import FP32, MIXED, deep_mlp, held_bytes, optimizer_state_bytes
+from labsrc.memory_sharding import FP32, MIXED, deep_mlp, held_bytes, optimizer_state_bytes, storage_bytes
 from labsrc.memory_sharding_zero import ShardedOptimizer, Traffic, all_reduce_counted, flatten, unflatten_into
 from labsrc.memory_sharding_zero3 import FullyShardedModel, ShardedLayer
 
@@ -66,7 +66,7 @@ def ddp_by_hand(ctx, depth: int, width: int, batches, lr: float, traffic: Traffi
         flat = flatten(grads, ctx.world_size)
         all_reduce_counted(flat, traffic)
         unflatten_into(flat / ctx.world_size, grads)
-        held = {"parameters": held_bytes(model.parameters()), "gradients": held_bytes(grads),
+        held = {"parameters": held_bytes(model.parameters()), "gradients": storage_bytes(grads),
                 "optimizer": optimizer_state_bytes(optimizer)}
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
@@ -88,7 +88,7 @@ def sharded_optimizer_run(ctx, stage: int, depth: int, width: int, batches, lr: 
         if gradients is not None:
             reference = [gradients[index][name] for name, _ in model.named_parameters()]
             gradient_gaps.append(shard_gap(optimizer.gradient_shard, reference, ctx))
-        held = {"parameters": held_bytes(model.parameters()), "gradients": optimizer.gradient_bytes(),
+        held = {"parameters": held_bytes(model.parameters()), "gradients": storage_bytes(optimizer.gradient_tensors()),
                 "optimizer": optimizer.state_bytes()}
         optimizer.step()
         optimizer.zero_grad()
@@ -117,7 +117,7 @@ def fully_sharded_run(ctx, depth: int, width: int, batches, lr: float, traffic: 
                                      for position, layer in enumerate(model.layers)
                                      if isinstance(layer, ShardedLayer)))
         held = {"parameters": held_bytes(model.parameters()),
-                "gradients": held_bytes(p.grad for p in model.parameters()),
+                "gradients": storage_bytes(p.grad for p in model.parameters()),
                 "optimizer": optimizer_state_bytes(optimizer)}
         optimizer.step()
         optimizer.zero_grad()

@@ -100,14 +100,24 @@ class ShardedOptimizer:
     def synchronize_gradients(self) -> None:
         """Reduce-scatter the gradients: this rank keeps the average of its shard only.
 
-        Stage 1 leaves each rank's own full (unreduced) gradients in place; stage 2 frees them.
+        Stage 1 keeps each rank's full local gradients, as views of one flat buffer (a DDP bucket), and writes
+        the averaged shard over its own slice of that buffer; stage 2 frees the full gradients.
         """
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        shard = reduce_scatter_counted(flatten(grads, self.world_size), self.traffic)
-        if self.stage == 2:
+        flat = flatten(grads, self.world_size)
+        shard = reduce_scatter_counted(flat, self.traffic)
+        for param in self.params:
+            param.grad = None
+        if self.stage == 1:
+            mine = flat.view(self.world_size, -1)[self.rank]
+            mine.copy_(shard / self.world_size)
+            offset = 0
             for param in self.params:
-                param.grad = None
-        self.gradient_shard = shard / self.world_size
+                param.grad = flat[offset:offset + param.numel()].view_as(param)
+                offset += param.numel()
+            self.gradient_shard = mine
+        else:
+            self.gradient_shard = shard / self.world_size
 
     def step(self) -> None:
         """Update this rank's master shard, then all_gather every shard back into the parameters."""
@@ -132,15 +142,10 @@ class ShardedOptimizer:
         return tensor_bytes([self.master]) + tensor_bytes(
             [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)])
 
-    def gradient_bytes(self) -> int:
-        """Bytes of gradients held after synchronisation: full gradients (stage 1) or this rank's shard (stage 2).
-
-        Stage 1's shard of the average is counted inside its full gradients' budget (a slice of the same size
-        would be written over them in place by a fused implementation).
-        """
-        if self.stage == 1:
-            return tensor_bytes([p.grad for p in self.params if p.grad is not None])
-        return tensor_bytes([self.gradient_shard] if self.gradient_shard is not None else [])
+    def gradient_tensors(self) -> list[torch.Tensor]:
+        """Every gradient tensor this rank still holds: the parameters' .grad and the averaged shard."""
+        held = [p.grad for p in self.params if p.grad is not None]
+        return held + ([self.gradient_shard] if self.gradient_shard is not None else [])
 
 
 def tensor_bytes(tensors) -> int:

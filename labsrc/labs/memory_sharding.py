@@ -132,6 +132,8 @@ class FsdpRow(Record):
     setting: str
     label: str
     gap: float
+    gradient_gap: float
+    """Largest |first step's averaged gradient - one process's whole-batch gradient| (fp32, before any update)."""
     parameter_bytes: int
     gradient_bytes: int
     optimizer_bytes: int
@@ -197,11 +199,13 @@ def activations(records, options: Options) -> None:
         records.write(CheckpointRow(**row))
 
 
-def torch_apis(ctx, records, options: Options, batches, reference: dict) -> None:
-    """FSDP2 fully_shard in each setting and ZeroRedundancyOptimizer, against the one-process run."""
+def torch_apis(ctx, records, options: Options, batches, reference: dict, first_gradients: dict) -> None:
+    """FSDP2 fully_shard in each setting and ZeroRedundancyOptimizer, against the one-process run (its parameters
+    after the last step, its gradients before the first)."""
     for setting, label in production.SETTINGS.items():
         result = production.train_fsdp(ctx, options.depth, options.width, setting, batches, options.lr)
         records.write(FsdpRow(setting, label, runs.largest_gap(result["parameters"], reference),
+                              runs.largest_gap(result["first_gradients"], first_gradients),
                               result["parameter_bytes"], result["gradient_bytes"], result["optimizer_bytes"],
                               result["between_bytes"], result["step_s"]))
     zero = production.train_zero_redundancy(ctx, options.depth, options.width, batches, options.lr)
@@ -228,12 +232,13 @@ def memory_sharding_lab(ctx, records, options: Options) -> dict:
     if ctx.is_main:
         activations(records, options)
     records.progress(2, len(steps), unit="experiments")
-    torch_apis(ctx, records, options, batches, trajectory[-1])
+    torch_apis(ctx, records, options, batches, trajectory[-1], gradients[0])
     records.progress(3, len(steps), unit="experiments")
     first_layer = memory.count_parameters(memory.deep_mlp(options.depth, options.width)[0])
     return {"parameters": parameters, "first_layer_parameters": first_layer, "depth": options.depth,
             "width": options.width, "steps": options.steps, "checkpoint_depth": options.checkpoint_depth,
-            "best_segments": memory.best_segments(options.checkpoint_depth)}
+            "best_segments": memory.best_segments(options.checkpoint_depth),
+            "gradient_scale": max(float(g.abs().max()) for step in gradients for g in step.values())}
 
 
 def main(argv=None):
