@@ -18,6 +18,8 @@ from labsrc.core.lab import run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
+from labsrc.labs.memory_sharding_fsdp2 import hand_fsdp2
+from labsrc.memory_sharding_transformer import tiny_transformer
 from labsrc.memory_sharding_zero import Traffic
 
 
@@ -225,7 +227,7 @@ def memory_sharding_lab(ctx, records, options: Options) -> dict:
     trajectory = runs.unsharded_trajectory(options.depth, options.width, batches, options.lr)
     gradients = runs.unsharded_gradients(options.depth, options.width, batches, options.lr)
     parameters = memory.count_parameters(memory.deep_mlp(options.depth, options.width))
-    steps = ("hand-written ZeRO", "activations", "torch APIs")
+    steps = ("hand-written ZeRO", "activations", "torch APIs", "per-parameter FSDP by hand")
     records.progress(0, len(steps), unit="experiments")
     hand_zero(ctx, records, options, batches, (trajectory, gradients), parameters)
     records.progress(1, len(steps), unit="experiments")
@@ -234,10 +236,14 @@ def memory_sharding_lab(ctx, records, options: Options) -> dict:
     records.progress(2, len(steps), unit="experiments")
     torch_apis(ctx, records, options, batches, trajectory[-1], gradients[0])
     records.progress(3, len(steps), unit="experiments")
+    names = hand_fsdp2(ctx, records, options.batch, options.steps, options.seed)
+    records.progress(4, len(steps), unit="experiments")
     first_layer = memory.count_parameters(memory.deep_mlp(options.depth, options.width)[0])
     return {"parameters": parameters, "first_layer_parameters": first_layer, "depth": options.depth,
             "width": options.width, "steps": options.steps, "checkpoint_depth": options.checkpoint_depth,
             "best_segments": memory.best_segments(options.checkpoint_depth),
+            "full_state_dict_names": names, "transformer_names": sorted(
+                name for name, _ in tiny_transformer().named_parameters()),
             "gradient_scale": max(float(g.abs().max()) for step in gradients for g in step.values())}
 
 
