@@ -81,3 +81,29 @@ def token_batches(steps: int, batch: int, time: int = 8, vocab: int = 37, seed: 
 def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over every token, in fp32 whatever the logits' dtype."""
     return nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+class GPTLayer(nn.Module):
+    """The layer Korthikanti et al. 2022 count activations for: LayerNorm, QKV, softmax attention with dropout,
+    projection, dropout, LayerNorm, h -> 4h GELU MLP, dropout. x (s, b, h) -> (s, b, h), sequence first."""
+
+    def __init__(self, hidden: int, heads: int, dropout: float = 0.1):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.attention_norm, self.mlp_norm = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv, self.projection = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.up, self.down = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, h = x.shape
+        a = self.heads
+
+        def split(t):  # (s, b, h) -> (b a, s, h / a)
+            return t.reshape(s, b * a, h // a).transpose(0, 1)
+        q, k, v = self.qkv(self.attention_norm(x)).chunk(3, dim=-1)
+        scores = torch.bmm(split(q), split(k).transpose(1, 2)) * (h // a) ** -0.5
+        probabilities = nn.functional.dropout(scores.softmax(-1), self.dropout)
+        context = torch.bmm(probabilities, split(v)).transpose(0, 1).reshape(s, b, h)
+        x = x + nn.functional.dropout(self.projection(context), self.dropout)
+        mlp = self.down(nn.functional.gelu(self.up(self.mlp_norm(x))))
+        return x + nn.functional.dropout(mlp, self.dropout)
