@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 class Attention(nn.Module):
@@ -14,17 +15,17 @@ class Attention(nn.Module):
 
     def __init__(self, dim: int, heads: int):
         super().__init__()
-        self.heads = heads
+        self.head_dim = dim // heads
         self.query, self.key, self.value, self.out = (nn.Linear(dim, dim, bias=False) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, time, dim = x.shape
+        batch, time, _ = x.shape
 
-        def split(t):  # (B, T, dim) -> (B, heads, T, dim / heads)
-            return t.view(batch, time, self.heads, dim // self.heads).transpose(1, 2)
+        def split(t):  # (B, T, heads x head_dim) -> (B, heads, T, head_dim); under tensor parallelism, local heads
+            return t.view(batch, time, -1, self.head_dim).transpose(1, 2)
         attended = nn.functional.scaled_dot_product_attention(split(self.query(x)), split(self.key(x)),
                                                               split(self.value(x)), is_causal=True)
-        return self.out(attended.transpose(1, 2).reshape(batch, time, dim))
+        return self.out(attended.transpose(1, 2).reshape(batch, time, -1))
 
 
 class Block(nn.Module):
@@ -46,6 +47,7 @@ class TinyTransformer(nn.Module):
 
     def __init__(self, vocab: int = 37, dim: int = 24, heads: int = 2, blocks: int = 2):
         super().__init__()
+        self.checkpoint_blocks = False  # True: keep each block's input only, recompute it in backward
         self.embedding = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(blocks))
         self.norm = nn.RMSNorm(dim)
@@ -54,7 +56,7 @@ class TinyTransformer(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens)
         for block in self.blocks:
-            x = block(x)
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpoint_blocks else block(x)
         return self.head(self.norm(x))
 
 
