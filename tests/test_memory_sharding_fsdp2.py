@@ -74,3 +74,17 @@ def _embedding_first(ctx):
 def test_token_ids_pass_untouched_into_an_embedding():
     dtype, shapes, dtypes = run_ranks(_embedding_first, 2)[0]
     assert dtype == torch.bfloat16 and shapes == [(5, 4), (1, 4), (1,)] and set(dtypes) == {torch.float32}
+
+
+def _fsdp2_counts(ctx, setting):
+    from labsrc import memory_sharding_fsdp2_deployed as deployed
+    with deployed.quiet_fsdp_warnings():
+        return deployed.train_and_count(lambda m: deployed._shard_blocks(m, reshard_after_forward=setting),
+                                        token_batches(1, 4, seed=1), ctx.rank, ctx.world_size)
+
+
+@pytest.mark.parametrize("setting, gathers", [(True, 6), (False, 3)])
+def test_fully_shard_from_meta_follows_one_process_and_counts_its_gathers(setting, gathers):
+    for result in run_ranks(_fsdp2_counts, 2, (setting,)):
+        assert result["gap"] < 1e-6
+        assert result["counts"]["allgather_base"] == gathers and result["counts"]["reduce_scatter_base"] == 3
