@@ -22,6 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from labsrc.memory_sharding import saved_activation_bytes
 from labsrc.memory_sharding_transformer import TinyTransformer, loss_of, tiny_transformer, token_batches
+from labsrc.memory_sharding_zero import counted_collectives
 
 
 @contextlib.contextmanager
@@ -115,7 +116,8 @@ def _local_bytes(tensors) -> int:
 def train_and_count(shard, batches, data_rank: int, data_ranks: int, checkpoint_blocks: bool = False) -> dict:
     """Train a copy sharded by shard(model) for len(batches) SGD steps on slice data_rank of data_ranks, beside
     one process on whole batches: the largest parameter gap after the last step, the bytes of parameters this
-    rank holds between forward and backward, and FSDP2's collectives in the last step (CommDebugMode)."""
+    rank holds between forward and backward, FSDP2's collectives in the last step (CommDebugMode) and the bytes
+    each sent (counted_collectives), and the parameters' bytes with dim 0 padded to a multiple of the world size."""
     reference = tiny_transformer()
     model = _sharded_copy(reference, shard)
     model.checkpoint_blocks = checkpoint_blocks
@@ -127,7 +129,7 @@ def train_and_count(shard, batches, data_rank: int, data_ranks: int, checkpoint_
         reference_optimizer.step()
         reference_optimizer.zero_grad()
         tokens, targets = tokens.chunk(data_ranks)[data_rank], targets.chunk(data_ranks)[data_rank]
-        with CommDebugMode() as comm:
+        with CommDebugMode() as comm, counted_collectives() as sent:
             loss = loss_of(model(tokens), targets)
             between = _local_bytes(model.parameters())
             loss.backward()
@@ -136,8 +138,10 @@ def train_and_count(shard, batches, data_rank: int, data_ranks: int, checkpoint_
         optimizer.zero_grad()
     full = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for name, p in model.named_parameters()}
     gap = max(float((full[name] - p.detach()).abs().max()) for name, p in reference.named_parameters())
-    return {"gap": gap, "between": between, "counts": counts,
-            "full_bytes": sum(p.numel() * 4 for p in reference.parameters())}
+    n = dist.get_world_size()
+    return {"gap": gap, "between": between, "counts": counts, "sent": sent,
+            "full_bytes": sum(p.numel() * 4 for p in reference.parameters()),
+            "padded_bytes": sum(-(-p.shape[0] // n) * n * p[0].numel() * 4 for p in reference.parameters())}
 
 
 def tensor_parallel_block(block: nn.Module, mesh) -> None:

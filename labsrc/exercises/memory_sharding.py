@@ -1,17 +1,15 @@
 """Checkers for notebook 09's exercises: ZeRO-1's optimizer step, and the number of checkpoint segments for a depth."""
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from labsrc.core.exercises import ExerciseFailed, on_ranks, passed
 from labsrc.memory_sharding import deep_mlp, predicted_saved_units
-from labsrc.memory_sharding_zero import flatten, padded_size
+from labsrc.memory_sharding_zero import counted_collectives, flatten, padded_size
 
 LR = 0.1
 
@@ -60,44 +58,6 @@ def _reference(batches, rank: int, world_size: int, mode: str):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-# Bytes one rank sends in each collective, as a ring sends them: (passes, which argument is the full buffer).
-_RING = {"all_reduce": (2, 0), "reduce_scatter_tensor": (1, 1), "reduce_scatter_single": (1, 1),
-         "all_gather_into_tensor": (1, 0), "all_gather_single": (1, 0), "broadcast": (1, 0)}
-
-
-@contextlib.contextmanager
-def counted_collectives(world_size: int):
-    """Count the bytes this rank sends through torch.distributed's collectives while inside (this process only).
-
-    Each call is measured from the tensor it is given: (n-1)/n of the full buffer per ring pass, all_reduce two
-    passes; list collectives (all_gather, reduce_scatter with lists) count their full list. Yields {name: bytes}.
-    """
-    sent: dict[str, int] = {}
-    originals = {name: getattr(dist, name) for name in (*_RING, "all_gather", "reduce_scatter") if hasattr(dist, name)}
-
-    def wrap(name, original):
-        def counted(*args, **kwargs):
-            if name in ("all_gather", "reduce_scatter"):
-                pieces = args[0] if name == "all_gather" else args[1]
-                full = sum(t.numel() * t.element_size() for t in pieces)
-                passes = 1
-            else:
-                passes, position = _RING[name]
-                tensor = args[position] if len(args) > position else next(iter(kwargs.values()))
-                full = tensor.numel() * tensor.element_size()
-            sent[name] = sent.get(name, 0) + passes * full * (world_size - 1) // world_size
-            return original(*args, **kwargs)
-        return counted
-
-    for name, original in originals.items():
-        setattr(dist, name, wrap(name, original))
-    try:
-        yield sent
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-
-
 def _zero1_rank(ctx, zero1_step: Callable) -> str | None:
     """Diagnose after the first step (every mistake shows there alone), then check a second step too; count the
     bytes sent, which must be DDP's: one reduce-scatter and one all-gather of the flat parameters."""
@@ -109,7 +69,7 @@ def _zero1_rank(ctx, zero1_step: Callable) -> str | None:
     for step, (x, y) in enumerate(batches):
         x, y = x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]
         nn.functional.mse_loss(model(x), y).backward()
-        with counted_collectives(ctx.world_size) as sent:
+        with counted_collectives() as sent:
             zero1_step(params, master, optimizer, ctx.rank, ctx.world_size)
         budget = 2 * flat_bytes * (ctx.world_size - 1) // ctx.world_size  # DDP's all-reduce, ring
         if sum(sent.values()) > 1.05 * budget:
