@@ -89,12 +89,12 @@ class _Gather(torch.autograd.Function):
         return gradient, None
 
 
-def _cast(value, dtype):
+def cast_floats(value, dtype):
     """Floating-point tensors to dtype; everything else (token ids, masks, None) untouched."""
     if torch.is_tensor(value) and value.is_floating_point():
         return value.to(dtype)
     if isinstance(value, (tuple, list)):
-        return type(value)(_cast(v, dtype) for v in value)
+        return type(value)(cast_floats(v, dtype) for v in value)
     return value
 
 
@@ -114,7 +114,7 @@ class PerParameterFSDP:
                 module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
                 module.register_forward_hook(self._after_forward)
             elif not isinstance(module, wrap) and any(True for _ in module.parameters(recurse=False)):
-                module.register_forward_pre_hook(lambda module, args: _cast(args, torch.float32))
+                module.register_forward_pre_hook(lambda module, args: cast_floats(args, torch.float32))
         sharded = {id(p.shard) for unit in self.units.values() for p in unit}
         self.replicated = [p for p in model.parameters() if id(p) not in sharded]
 
@@ -129,7 +129,7 @@ class PerParameterFSDP:
             module._parameters[parameter.name] = parameter.full_weights()  # a plain tensor, for this forward only
         self.peak_unsharded = max(self.peak_unsharded, self.unsharded_bytes())
         dtype = self.compute_dtype or torch.float32
-        return _cast(args, dtype), {key: _cast(value, dtype) for key, value in kwargs.items()}
+        return cast_floats(args, dtype), {key: cast_floats(value, dtype) for key, value in kwargs.items()}
 
     def _after_forward(self, module, args, output):
         parameters = self.units[module]

@@ -7,7 +7,7 @@ import copy
 import torch
 from torch import nn
 
-from labsrc.memory_sharding_fsdp2_by_hand import _cast, shard_model
+from labsrc.memory_sharding_fsdp2_by_hand import cast_floats, shard_model
 from labsrc.memory_sharding_transformer import loss_of, tiny_transformer
 from labsrc.memory_sharding_zero import Traffic
 
@@ -32,9 +32,9 @@ def _mixed_precision_copy(master: nn.Module, compute_dtype) -> nn.Module:
     for module in compute.modules():
         if isinstance(module, WRAP):
             module.to(compute_dtype)
-            module.register_forward_pre_hook(lambda module, args: _cast(args, compute_dtype))
+            module.register_forward_pre_hook(lambda module, args: cast_floats(args, compute_dtype))
         elif any(True for _ in module.parameters(recurse=False)):
-            module.register_forward_pre_hook(lambda module, args: _cast(args, torch.float32))
+            module.register_forward_pre_hook(lambda module, args: cast_floats(args, torch.float32))
     return compute
 
 
