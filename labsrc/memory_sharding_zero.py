@@ -184,11 +184,6 @@ class ShardedOptimizer:
         return tensor_bytes([self.master]) + tensor_bytes(
             [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)])
 
-    def gradient_tensors(self) -> list[torch.Tensor]:
-        """Every gradient tensor this rank still holds: the parameters' .grad and the averaged shard."""
-        held = [p.grad for p in self.params if p.grad is not None]
-        return held + ([self.gradient_shard] if self.gradient_shard is not None else [])
-
 
 def tensor_bytes(tensors) -> int:
     """Bytes the tensors' elements take (views of one storage counted by their own size)."""
