@@ -75,7 +75,7 @@ def ddp_by_hand(ctx, depth: int, width: int, batches, lr: float, traffic: Traffi
 
 
 def sharded_optimizer_run(ctx, stage: int, depth: int, width: int, batches, lr: float, traffic: Traffic,
-                          dtype=torch.float32, trajectory=None, gradients=None) -> dict:
+                          dtype=torch.float32, trajectory=None, gradients=None, measure_memory: bool = True) -> dict:
     """Stage 1 or 2 with ShardedOptimizer; bytes held measured after gradient sync (from the second step, when
     the optimizer state exists), gradients as every tensor allocated by backward and the sync and still alive; the largest gap to the reference after each step (fp32 only), and, given
     the reference `gradients`, the gap of this rank's averaged gradient shard before each step."""
@@ -84,7 +84,7 @@ def sharded_optimizer_run(ctx, stage: int, depth: int, width: int, batches, lr: 
     held, gaps, gradient_gaps = {}, [], []
     for index, (x, y) in enumerate(batches):
         x, y = _local(ctx, x.to(dtype), y.to(dtype))
-        last = index == len(batches) - 1  # bytes are read on the last step only (a census takes ~0.1 s)
+        last = measure_memory and index == len(batches) - 1  # read on the last step only (a census takes ~0.1 s)
         before = live_storages() if last else {}
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.synchronize_gradients()

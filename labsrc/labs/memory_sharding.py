@@ -165,7 +165,8 @@ def hand_zero(ctx, records, options: Options, batches, reference: tuple[list, li
     traffic = {name: Traffic() for name in ("stage 0", "stage 1", "stage 2", "stage 3", "stage 3 bf16")}
     runs.ddp_by_hand(ctx, *arguments, traffic["stage 0"])
     results = {f"stage {s}": runs.sharded_optimizer_run(ctx, s, *arguments, traffic[f"stage {s}"],
-                                                        trajectory=trajectory, gradients=gradients) for s in (1, 2)}
+                                                        trajectory=trajectory, gradients=gradients,
+                                                        measure_memory=False) for s in (1, 2)}
     results["stage 3"] = runs.fully_sharded_run(ctx, *arguments, traffic["stage 3"], trajectory=trajectory,
                                                 gradients=gradients)
     results["stage 3 bf16"] = runs.fully_sharded_run(ctx, *arguments, traffic["stage 3 bf16"],
