@@ -59,6 +59,30 @@ def held_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def storage_bytes(tensors) -> int:
+    """Bytes of the memory the tensors live in, each storage once: a view counts its whole buffer, two views of
+    one buffer count it once. What a rank really holds, whatever the code meant to keep."""
+    storages = {}
+    for tensor in tensors:
+        if tensor is not None:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def live_storages(extra=()) -> dict[int, int]:
+    """{storage address: bytes} of every tensor alive in this process that the garbage collector sees, plus `extra`
+    (a parameter's .grad has no Python object until it is read, so pass those). The difference of two calls
+    is what was allocated in between and is still alive, wherever the code keeps it."""
+    import gc
+    storages = {}
+    for candidate in [*gc.get_objects(), *extra]:
+        if issubclass(type(candidate), torch.Tensor) and candidate.device.type != "meta":  # type(): no proxy warning
+            storage = candidate.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return storages
+
+
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in a torch optimizer's state (momentum, variance, step counters)."""
     return held_bytes(v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v))

@@ -43,7 +43,8 @@ def local_bytes(tensors) -> int:
 
 
 def sharded_model(depth: int, width: int, setting: str, device: torch.device, seed: int = 0) -> nn.Module:
-    """deep_mlp with fully_shard on every Linear, then on the root (which keeps the first and last layers)."""
+    """deep_mlp with fully_shard on every Linear (first and last included), then on the root, which here
+    owns no parameter of its own (every Linear is its own unit; ReLUs have none)."""
     model = deep_mlp(depth, width, seed=seed).to(device)
     options = shard_options(setting, device)
     for layer in model:
@@ -55,24 +56,27 @@ def sharded_model(depth: int, width: int, setting: str, device: torch.device, se
 def train_fsdp(ctx, depth: int, width: int, setting: str, batches, lr: float) -> dict:
     """Train a fully_shard model on this rank's slice of each (x, y); full parameters and bytes per rank after.
 
-    Returns parameters gathered to full size, held bytes (parameters, gradients, optimizer state, each this
+    Returns parameters gathered to full size, the first step's averaged gradients at full size, held bytes (parameters, gradients, optimizer state, each this
     rank's shards), bytes of parameters held between forward and backward, and seconds per step.
     """
     model = sharded_model(depth, width, setting, ctx.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    seconds, between = [], 0
+    seconds, between, first_gradients = [], 0, {}
     for x, y in batches:
         x, y = x.chunk(ctx.world_size)[ctx.rank].to(ctx.device), y.chunk(ctx.world_size)[ctx.rank].to(ctx.device)
         start = time.perf_counter()
         loss = nn.functional.mse_loss(model(x).float(), y)
         between = local_bytes(model.parameters())  # what forward left unsharded for backward
         loss.backward()
+        if not first_gradients:  # the averaged gradient of the first step, gathered to full size (every rank)
+            first_gradients = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float().cpu()
+                               for name, p in model.named_parameters()}
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         seconds.append(time.perf_counter() - start)
     full = {name: (p.full_tensor() if isinstance(p, DTensor) else p).detach().float().cpu()
             for name, p in model.named_parameters()}
-    return {"parameters": full, "parameter_bytes": local_bytes(model.parameters()),
+    return {"parameters": full, "first_gradients": first_gradients, "parameter_bytes": local_bytes(model.parameters()),
             "gradient_bytes": local_bytes(p.grad for p in model.parameters() if p.grad is not None),
             "optimizer_bytes": local_state_bytes(optimizer), "between_bytes": between,
             "step_s": min(seconds[1:] or seconds)}

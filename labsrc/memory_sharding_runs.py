@@ -4,7 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from labsrc.memory_sharding import FP32, MIXED, deep_mlp, held_bytes, optimizer_state_bytes
+from labsrc.memory_sharding import (FP32, MIXED, deep_mlp, held_bytes, live_storages, optimizer_state_bytes,
+                                    storage_bytes)
 from labsrc.memory_sharding_zero import ShardedOptimizer, Traffic, all_reduce_counted, flatten, unflatten_into
 from labsrc.memory_sharding_zero3 import FullyShardedModel, ShardedLayer
 
@@ -66,7 +67,7 @@ def ddp_by_hand(ctx, depth: int, width: int, batches, lr: float, traffic: Traffi
         flat = flatten(grads, ctx.world_size)
         all_reduce_counted(flat, traffic)
         unflatten_into(flat / ctx.world_size, grads)
-        held = {"parameters": held_bytes(model.parameters()), "gradients": held_bytes(grads),
+        held = {"parameters": held_bytes(model.parameters()), "gradients": storage_bytes(grads),
                 "optimizer": optimizer_state_bytes(optimizer)}
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
@@ -74,22 +75,27 @@ def ddp_by_hand(ctx, depth: int, width: int, batches, lr: float, traffic: Traffi
 
 
 def sharded_optimizer_run(ctx, stage: int, depth: int, width: int, batches, lr: float, traffic: Traffic,
-                          dtype=torch.float32, trajectory=None, gradients=None) -> dict:
+                          dtype=torch.float32, trajectory=None, gradients=None, measure_memory: bool = True) -> dict:
     """Stage 1 or 2 with ShardedOptimizer; bytes held measured after gradient sync (from the second step, when
-    the optimizer state exists); the largest gap to the reference after each step (fp32 only), and, given
+    the optimizer state exists), gradients as every tensor allocated by backward and the sync and still alive; the largest gap to the reference after each step (fp32 only), and, given
     the reference `gradients`, the gap of this rank's averaged gradient shard before each step."""
     model = deep_mlp(depth, width).to(dtype)
     optimizer = ShardedOptimizer(model.parameters(), torch.optim.AdamW, stage=stage, traffic=traffic, lr=lr)
     held, gaps, gradient_gaps = {}, [], []
     for index, (x, y) in enumerate(batches):
         x, y = _local(ctx, x.to(dtype), y.to(dtype))
+        last = measure_memory and index == len(batches) - 1  # read on the last step only (a census takes ~0.1 s)
+        before = live_storages() if last else {}
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.synchronize_gradients()
+        if last:  # every tensor backward and the sync allocated and left alive, wherever it is kept
+            after = live_storages([p.grad for p in model.parameters() if p.grad is not None])
+            held = {"parameters": held_bytes(model.parameters()),
+                    "gradients": sum(nbytes for address, nbytes in after.items() if address not in before),
+                    "optimizer": optimizer.state_bytes()}
         if gradients is not None:
             reference = [gradients[index][name] for name, _ in model.named_parameters()]
             gradient_gaps.append(shard_gap(optimizer.gradient_shard, reference, ctx))
-        held = {"parameters": held_bytes(model.parameters()), "gradients": optimizer.gradient_bytes(),
-                "optimizer": optimizer.state_bytes()}
         optimizer.step()
         optimizer.zero_grad()
         if trajectory is not None:
@@ -117,7 +123,7 @@ def fully_sharded_run(ctx, depth: int, width: int, batches, lr: float, traffic: 
                                      for position, layer in enumerate(model.layers)
                                      if isinstance(layer, ShardedLayer)))
         held = {"parameters": held_bytes(model.parameters()),
-                "gradients": held_bytes(p.grad for p in model.parameters()),
+                "gradients": storage_bytes(p.grad for p in model.parameters()),
                 "optimizer": optimizer_state_bytes(optimizer)}
         optimizer.step()
         optimizer.zero_grad()

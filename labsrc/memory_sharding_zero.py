@@ -5,6 +5,7 @@ Stage 1 shards the optimizer state, stage 2 also the gradients, stage 3 also the
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -26,6 +27,47 @@ class Traffic:
     @property
     def total(self) -> int:
         return sum(self.sent.values())
+
+
+# Where each collective's full buffer is, by position or keyword (output first, as torch.distributed orders them),
+# and how many ring passes it makes: all_reduce 2, the others 1.
+_FULL_BUFFER = {"all_reduce": (2, 0, ("tensor",)), "broadcast": (1, 0, ("tensor",)),
+                "reduce_scatter_tensor": (1, 1, ("input",)), "reduce_scatter_single": (1, 1, ("input",)),
+                "all_gather_into_tensor": (1, 0, ("output_tensor", "output")),
+                "all_gather_single": (1, 0, ("output", "output_tensor")),
+                "all_gather": (1, 0, ("tensor_list",)), "reduce_scatter": (1, 1, ("input_list",))}  # lists
+
+
+@contextlib.contextmanager
+def counted_collectives():
+    """Count the bytes this process sends through torch.distributed's collectives while inside: yields {name: bytes}.
+
+    Each call is measured from the buffer it is given, as a ring sends it: (n-1)/n of the full buffer per pass,
+    n the size of the group it runs on. The functions are looked up on torch.distributed at call time by the
+    course's helpers and by FSDP2, so wrapping them there sees every call; everything is restored on exit.
+    """
+    sent: dict[str, int] = {}
+    originals = {name: getattr(dist, name) for name in _FULL_BUFFER if hasattr(dist, name)}
+
+    def wrap(name, original):
+        passes, position, keywords = _FULL_BUFFER[name]
+
+        def counted(*args, **kwargs):
+            full = args[position] if len(args) > position else next(kwargs[k] for k in keywords if k in kwargs)
+            pieces = full if isinstance(full, (list, tuple)) else [full]
+            n = dist.get_world_size(kwargs.get("group"))
+            nbytes = passes * sum(t.numel() * t.element_size() for t in pieces) * (n - 1) // n
+            sent[name] = sent.get(name, 0) + nbytes
+            return original(*args, **kwargs)
+        return counted
+
+    for name, original in originals.items():
+        setattr(dist, name, wrap(name, original))
+    try:
+        yield sent
+    finally:
+        for name, original in originals.items():
+            setattr(dist, name, original)
 
 
 def padded_size(numel: int, world_size: int) -> int:
@@ -100,14 +142,24 @@ class ShardedOptimizer:
     def synchronize_gradients(self) -> None:
         """Reduce-scatter the gradients: this rank keeps the average of its shard only.
 
-        Stage 1 leaves each rank's own full (unreduced) gradients in place; stage 2 frees them.
+        Stage 1 keeps each rank's full local gradients, as views of one flat buffer (a DDP bucket), and writes
+        the averaged shard over its own slice of that buffer; stage 2 frees the full gradients.
         """
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        shard = reduce_scatter_counted(flatten(grads, self.world_size), self.traffic)
-        if self.stage == 2:
+        flat = flatten(grads, self.world_size)
+        shard = reduce_scatter_counted(flat, self.traffic)
+        for param in self.params:
+            param.grad = None
+        if self.stage == 1:
+            mine = flat.view(self.world_size, -1)[self.rank]
+            mine.copy_(shard / self.world_size)
+            offset = 0
             for param in self.params:
-                param.grad = None
-        self.gradient_shard = shard / self.world_size
+                param.grad = flat[offset:offset + param.numel()].view_as(param)
+                offset += param.numel()
+            self.gradient_shard = mine
+        else:
+            self.gradient_shard = shard / self.world_size
 
     def step(self) -> None:
         """Update this rank's master shard, then all_gather every shard back into the parameters."""
@@ -131,16 +183,6 @@ class ShardedOptimizer:
         """Bytes this rank holds for the optimizer: the fp32 master shard and the inner optimizer's state."""
         return tensor_bytes([self.master]) + tensor_bytes(
             [v for state in self.optimizer.state.values() for v in state.values() if torch.is_tensor(v)])
-
-    def gradient_bytes(self) -> int:
-        """Bytes of gradients held after synchronisation: full gradients (stage 1) or this rank's shard (stage 2).
-
-        Stage 1's shard of the average is counted inside its full gradients' budget (a slice of the same size
-        would be written over them in place by a fused implementation).
-        """
-        if self.stage == 1:
-            return tensor_bytes([p.grad for p in self.params if p.grad is not None])
-        return tensor_bytes([self.gradient_shard] if self.gradient_shard is not None else [])
 
 
 def tensor_bytes(tensors) -> int:

@@ -20,6 +20,7 @@ def test_choose_segments_solution_passes(capsys):
     (lambda depth: 1, "one unchecked segment"),
     (lambda depth: max(1, round(math.sqrt(depth) + 0.5)), "does not divide"),
     (lambda depth: float(depth), "return an int"),
+    (math.isqrt, "does not divide"),  # floor(sqrt(n)): right for squares and 12, 48; wrong at 5, 7, 10, 18
 ])
 def test_choose_segments_mistakes_are_named(wrong, named):
     with pytest.raises(ExerciseFailed, match=named):
@@ -31,10 +32,14 @@ def test_zero1_step_solution_passes(capsys):
     assert "passed" in capsys.readouterr().out
 
 
-def _step(params, master, optimizer, rank, world_size, reduce=True, divide=True, gather=True, write_back=True):
+def _step(params, master, optimizer, rank, world_size, reduce=True, divide=True, gather=True, write_back=True,
+          all_reduce=False):
     flat = flatten([p.grad for p in params], world_size)
     shard = torch.empty_like(master)
-    if reduce:
+    if all_reduce:  # the same numbers, twice the gradient bytes
+        torch.distributed.all_reduce(flat)
+        shard.copy_(flat.view(world_size, -1)[rank])
+    elif reduce:
         reduce_scatter(shard, flat)
     else:
         shard.copy_(flat.view(world_size, -1)[rank] * world_size)
@@ -55,6 +60,7 @@ def _step(params, master, optimizer, rank, world_size, reduce=True, divide=True,
     ({"divide": False}, "times too large"),
     ({"gather": False}, "others are stale"),
     ({"write_back": False}, "never changed"),
+    ({"all_reduce": True}, "more than DDP's"),
 ])
 def test_zero1_step_mistakes_are_named(mistake, named):
     with pytest.raises(ExerciseFailed, match=named):

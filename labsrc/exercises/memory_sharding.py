@@ -9,14 +9,15 @@ from torch import nn
 
 from labsrc.core.exercises import ExerciseFailed, on_ranks, passed
 from labsrc.memory_sharding import deep_mlp, predicted_saved_units
-from labsrc.memory_sharding_zero import flatten, padded_size
+from labsrc.memory_sharding_zero import counted_collectives, flatten, padded_size
 
 LR = 0.1
 
 
 def check_choose_segments(choose_segments: Callable) -> None:
     """choose_segments(depth) -> k dividing depth with the fewest saved activations, k + depth/k blocks."""
-    for depth in (1, 4, 9, 12, 16, 36, 48, 64):
+    # 5, 7, 10 and 18: floor(sqrt(n)) does not divide them (math.isqrt is a plausible wrong answer).
+    for depth in (1, 4, 5, 7, 9, 10, 12, 16, 18, 36, 48, 64):
         k = choose_segments(depth)
         if not isinstance(k, int) or isinstance(k, bool):
             raise ExerciseFailed(f"depth {depth}: return an int, not {type(k).__name__}.")
@@ -58,15 +59,23 @@ def _reference(batches, rank: int, world_size: int, mode: str):
 
 
 def _zero1_rank(ctx, zero1_step: Callable) -> str | None:
-    """Diagnose after the first step (every mistake shows there alone), then check a second step too."""
+    """Diagnose after the first step (every mistake shows there alone), then check a second step too; count the
+    bytes sent, which must be DDP's: one reduce-scatter and one all-gather of the flat parameters."""
     generator = torch.Generator().manual_seed(5)
     batches = [(torch.randn(8, 6, generator=generator), torch.randn(8, 3, generator=generator)) for _ in range(2)]
     model, params, master, optimizer = _setup(ctx)
     start = torch.cat([p.detach().reshape(-1) for p in params])
+    flat_bytes = padded_size(sum(p.numel() for p in params), ctx.world_size) * 4
     for step, (x, y) in enumerate(batches):
         x, y = x.chunk(ctx.world_size)[ctx.rank], y.chunk(ctx.world_size)[ctx.rank]
         nn.functional.mse_loss(model(x), y).backward()
-        zero1_step(params, master, optimizer, ctx.rank, ctx.world_size)
+        with counted_collectives() as sent:
+            zero1_step(params, master, optimizer, ctx.rank, ctx.world_size)
+        budget = 2 * flat_bytes * (ctx.world_size - 1) // ctx.world_size  # DDP's all-reduce, ring
+        if sum(sent.values()) > 1.05 * budget:
+            return (f"the step sent {sum(sent.values())} bytes ({sent}), more than DDP's {budget}: ZeRO-1 costs what "
+                    "DDP costs only with a reduce-scatter of the gradients (not an all-reduce of all of them, which "
+                    "sends twice the gradient bytes) and one all-gather of the updated shards.")
         for param in params:
             param.grad = None
         got = torch.cat([p.detach().reshape(-1) for p in params])

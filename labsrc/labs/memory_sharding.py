@@ -18,6 +18,8 @@ from labsrc.core.lab import run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
+from labsrc.labs.memory_sharding_fsdp2 import hand_fsdp2
+from labsrc.memory_sharding_transformer import tiny_transformer
 from labsrc.memory_sharding_zero import Traffic
 
 
@@ -132,6 +134,8 @@ class FsdpRow(Record):
     setting: str
     label: str
     gap: float
+    gradient_gap: float
+    """Largest |first step's averaged gradient - one process's whole-batch gradient| (fp32, before any update)."""
     parameter_bytes: int
     gradient_bytes: int
     optimizer_bytes: int
@@ -161,7 +165,8 @@ def hand_zero(ctx, records, options: Options, batches, reference: tuple[list, li
     traffic = {name: Traffic() for name in ("stage 0", "stage 1", "stage 2", "stage 3", "stage 3 bf16")}
     runs.ddp_by_hand(ctx, *arguments, traffic["stage 0"])
     results = {f"stage {s}": runs.sharded_optimizer_run(ctx, s, *arguments, traffic[f"stage {s}"],
-                                                        trajectory=trajectory, gradients=gradients) for s in (1, 2)}
+                                                        trajectory=trajectory, gradients=gradients,
+                                                        measure_memory=False) for s in (1, 2)}
     results["stage 3"] = runs.fully_sharded_run(ctx, *arguments, traffic["stage 3"], trajectory=trajectory,
                                                 gradients=gradients)
     results["stage 3 bf16"] = runs.fully_sharded_run(ctx, *arguments, traffic["stage 3 bf16"],
@@ -197,11 +202,13 @@ def activations(records, options: Options) -> None:
         records.write(CheckpointRow(**row))
 
 
-def torch_apis(ctx, records, options: Options, batches, reference: dict) -> None:
-    """FSDP2 fully_shard in each setting and ZeroRedundancyOptimizer, against the one-process run."""
+def torch_apis(ctx, records, options: Options, batches, reference: dict, first_gradients: dict) -> None:
+    """FSDP2 fully_shard in each setting and ZeroRedundancyOptimizer, against the one-process run (its parameters
+    after the last step, its gradients before the first)."""
     for setting, label in production.SETTINGS.items():
         result = production.train_fsdp(ctx, options.depth, options.width, setting, batches, options.lr)
         records.write(FsdpRow(setting, label, runs.largest_gap(result["parameters"], reference),
+                              runs.largest_gap(result["first_gradients"], first_gradients),
                               result["parameter_bytes"], result["gradient_bytes"], result["optimizer_bytes"],
                               result["between_bytes"], result["step_s"]))
     zero = production.train_zero_redundancy(ctx, options.depth, options.width, batches, options.lr)
@@ -221,19 +228,24 @@ def memory_sharding_lab(ctx, records, options: Options) -> dict:
     trajectory = runs.unsharded_trajectory(options.depth, options.width, batches, options.lr)
     gradients = runs.unsharded_gradients(options.depth, options.width, batches, options.lr)
     parameters = memory.count_parameters(memory.deep_mlp(options.depth, options.width))
-    steps = ("hand-written ZeRO", "activations", "torch APIs")
+    steps = ("hand-written ZeRO", "activations", "torch APIs", "per-parameter FSDP by hand")
     records.progress(0, len(steps), unit="experiments")
     hand_zero(ctx, records, options, batches, (trajectory, gradients), parameters)
     records.progress(1, len(steps), unit="experiments")
     if ctx.is_main:
         activations(records, options)
     records.progress(2, len(steps), unit="experiments")
-    torch_apis(ctx, records, options, batches, trajectory[-1])
+    torch_apis(ctx, records, options, batches, trajectory[-1], gradients[0])
     records.progress(3, len(steps), unit="experiments")
+    names = hand_fsdp2(ctx, records, options.batch, options.steps, options.seed)
+    records.progress(4, len(steps), unit="experiments")
     first_layer = memory.count_parameters(memory.deep_mlp(options.depth, options.width)[0])
     return {"parameters": parameters, "first_layer_parameters": first_layer, "depth": options.depth,
             "width": options.width, "steps": options.steps, "checkpoint_depth": options.checkpoint_depth,
-            "best_segments": memory.best_segments(options.checkpoint_depth)}
+            "best_segments": memory.best_segments(options.checkpoint_depth),
+            "full_state_dict_names": names, "transformer_names": sorted(
+                name for name, _ in tiny_transformer().named_parameters()),
+            "gradient_scale": max(float(g.abs().max()) for step in gradients for g in step.values())}
 
 
 def main(argv=None):
