@@ -10,11 +10,13 @@ Sources of every formula:
 - Gradients accumulated in fp32 (Megatron-LM's `main_grad`; the Ultra-Scale Playbook, "Memory usage in mixed
   precision"): 2 + 4 + 12 = 18 bytes, or 20 where the bf16 gradient is kept beside the fp32 one.
 - Activations: Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
-  section 4: per GPT layer in 16-bit, s b h (34 + 5 a s / h) bytes; with tensor parallelism t,
+  section 4 and Table 2: per GPT layer in 16-bit, s b h (34 + 5 a s / h) bytes; with tensor parallelism t,
   s b h (10 + 24/t + 5 a s / (h t)); with sequence parallelism too, s b h / t (34 + 5 a s / h); selective
-  recomputation (attention's softmax, dropout and QK^T recomputed) drops the 5 a s / h term; full recomputation
-  keeps only each layer's input, 2 s b h (divided by t under sequence parallelism). With 1F1B pipelining over p
-  stages the first stage keeps p micro-batches of its L/p layers: L layers' worth whatever p (section 4.2.3).
+  recomputation (section 5: attention's QK^T, softmax, dropout and product with V recomputed) drops the
+  5 a s / h term; full recomputation keeps only each layer's input, 2 s b h. Under sequence parallelism that
+  input is itself cut along the sequence, so it is divided by t here (this module's reading; Table 2 lists
+  2 s b h). With 1F1B pipelining over p stages the first stage keeps p micro-batches of its L/p layers: L
+  layers' worth whatever p (section 4.2.3).
 The activation formula is the paper's GPT layer (4h GELU MLP, LayerNorm, dropout); a Llama layer (SwiGLU with a
 wider MLP, RMSNorm, no dropout) differs in the constants. Embedding, output layer and loss are left out.
 """
@@ -54,7 +56,9 @@ PRESETS = {  # shapes from each model's config.json on the Hugging Face Hub
 }
 
 GPUS = {"A100 40GB": 40e9, "A100 80GB": 80e9, "H100 80GB": 80e9, "H200 141GB": 141e9, "RTX 4090 24GB": 24e9}
-"""Memory as the vendor states it, in decimal GB; a little less is usable (the CUDA context, the allocator)."""
+"""The data sheet's figure read as decimal GB (1e9 bytes, the unit the table prints): a conservative bound. The
+memory itself comes in binary units (an A100 or H100 "80GB" holds 80 GiB, 85.9e9 bytes), of which the CUDA
+context and the caching allocator's fragmentation take some."""
 
 LAYOUTS = {  # bytes per parameter: (parameter, gradient, optimizer state)
     "zero": (2, 2, 12),             # ZeRO paper: bf16 parameter and gradient, fp32 master + Adam's two moments
@@ -141,7 +145,8 @@ def table(setups: list[Setup], gpu: str = "H100 80GB") -> str:
     """A plain-text table, one row per set-up, in GB per GPU, and whether it fits the GPU."""
     capacity = GPUS[gpu]
     lines = [f"{'model':13} {'GPUs':>4} {'ZeRO':>4} {'TP':>2} {'PP':>2} {'SP':>3} {'mb':>3} {'seq':>5} "
-             f"{'recompute':9} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7}  {gpu}"]
+             f"{'recompute':9} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7}  "
+             f"(GB per GPU) {gpu}"]
     for setup in setups:
         row = per_rank(setup)
         cells = " ".join(f"{row[key] / 1e9:7.1f}" for key in ("parameters", "gradients", "optimizer", "activations",
