@@ -187,18 +187,33 @@ def torchrun_recorded(fail_rank: int = 1, timeout_s: float = 90.0) -> dict:
             "stderr": done.stderr, "root_cause": root_cause(done.stderr)}
 
 
+def failures(report: str) -> list[dict]:
+    """Every failure block of torchrun's report: {"rank" (int), "time", "exitcode", "error_file", "traceback",
+    "root" (True for the one under 'Root Cause')}, in the report's order."""
+    found = []
+    head, _, root = report.partition("Root Cause (first observed failure):")
+    _, _, others = head.partition("Failures:")
+    for text, is_root in ((others, False), (root, True)):
+        for block in re.split(r"^\[\d+\]:\s*$", text, flags=re.MULTILINE)[1:]:
+            block = re.split(r"^[-=]{20,}\s*$", block, flags=re.MULTILINE)[0]
+            fields = {"root": is_root}
+            for name in ("time", "rank", "exitcode", "error_file"):
+                value = re.search(rf"^\s*{name}\s*:\s*(.*)$", block, re.MULTILINE)
+                fields[name] = value.group(1).strip() if value else ""
+            fields["rank"] = int(fields["rank"].split()[0]) if fields["rank"] else -1
+            fields["traceback"] = block[block.find("traceback"):] if "traceback" in block else ""
+            found.append(fields)
+    return found
+
+
 def root_cause(report: str) -> dict:
-    """The fields of torchrun's 'Root Cause (first observed failure)' block (empty if there is none)."""
-    block = report.split("Root Cause (first observed failure):", 1)
-    if len(block) < 2:
-        return {}
-    fields = {}
-    for name in ("rank", "exitcode", "error_file", "traceback"):
-        found = re.search(rf"^\s*{name}\s*:\s*(.*)$", block[1], re.MULTILINE)
-        fields[name] = found.group(1).strip() if found else ""
-    traceback_start = block[1].find("traceback")
-    fields["traceback"] = block[1][traceback_start:].split("=====", 1)[0] if traceback_start >= 0 else ""
-    return fields
+    """The failure torchrun names as 'Root Cause (first observed failure)' ({} if the report has none).
+
+    torchrun picks the failure with the smallest timestamp, counted in whole seconds (the error file's, or when
+    the agent saw the exit): a survivor that fails in the same second as the culprit ties with it, and the tie
+    goes to the lower rank. Read every failure (`failures`), not only this one.
+    """
+    return next((failure for failure in failures(report) if failure["root"]), {})
 
 
 # -- NCCL (2 GPUs): a collective that returns at once, a watchdog that ends the process, a dump read by torchfrtrace -

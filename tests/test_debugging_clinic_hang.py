@@ -59,13 +59,17 @@ def test_record_writes_the_raising_ranks_traceback_to_torchruns_error_file(tmp_p
     assert "in load_batch" in written["extraInfo"]["py_callstack"], written
 
 
-def test_root_cause_reads_torchruns_report():
-    report = ("Root Cause (first observed failure):\n[0]:\n  time      : 2026\n  host      : h\n"
-              "  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: 7)  (SIGKILL)\n  error_file: <N/A>\n"
-              "  traceback : Signal 9 (SIGKILL) received by PID 7\n=====\n")
-    cause = clinic_hang.root_cause(report)
-    assert cause["rank"].startswith("1 ") and cause["exitcode"].startswith("-9") and "Signal 9" in cause["traceback"]
-    assert clinic_hang.root_cause("no report") == {}
+def test_failures_reads_every_block_of_torchruns_report():
+    report = ("Failures:\n[1]:\n  time      : 2026-11-26_03:34:31\n  host      : h\n  rank      : 1 (local_rank: 1)\n"
+              "  exitcode  : -15 (pid: 8)  (SIGTERM)\n  error_file: /t/1/error.json\n  traceback : Traceback\n"
+              "  ValueError: planted\n------------------------------\nRoot Cause (first observed failure):\n[0]:\n"
+              "  time      : 2026-11-26_03:34:31\n  host      : h\n  rank      : 0 (local_rank: 0)\n"
+              "  exitcode  : 1 (pid: 7)\n  error_file: /t/0/error.json\n  traceback : RuntimeError: Connection closed\n"
+              "==============================\n")
+    found = clinic_hang.failures(report)
+    assert [(f["rank"], f["root"]) for f in found] == [(1, False), (0, True)]
+    assert "ValueError: planted" in found[0]["traceback"] and "Connection" not in found[0]["traceback"]
+    assert clinic_hang.root_cause(report)["exitcode"].startswith("1 ") and clinic_hang.root_cause("no report") == {}
 
 
 def test_static_graph_refuses_a_parameter_used_on_some_steps_and_find_unused_trains():
