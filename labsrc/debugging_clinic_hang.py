@@ -10,6 +10,7 @@ The clinic's other cases catch each rank's exception; these show what is left wh
 from __future__ import annotations
 
 import faulthandler
+import json
 import multiprocessing
 import os
 import pickle
@@ -237,7 +238,7 @@ def torchrun_nccl_skipped(folder: Path, timeout_s: float = 10.0, limit_s: float 
     events = {}
     for rank in (0, 1):
         path = folder / f"events{rank}.jsonl"
-        events[rank] = [__import__("json").loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        events[rank] = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     dumps = sorted(path.name for path in folder.glob("trace_*"))
     frtrace = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(folder),
                               "--prefix", "trace_"], capture_output=True, text=True, timeout=120) if dumps else None
