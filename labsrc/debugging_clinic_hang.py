@@ -49,6 +49,7 @@ class RankEnd:
 
 
 def _rank_main(fn, rank: int, world_size: int, init_file: str, args: tuple, results) -> None:
+    faulthandler.disable()  # a handler inherited from the parent (pytest's) would print the parent's stack on abort
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     value = fn(RankContext(rank, rank, world_size, torch.device("cpu"), "gloo"), *args)
