@@ -1,7 +1,7 @@
 """Notebook 12 without a safety net: ranks whose end is read from outside (an exit status, a stack, an error file).
 
     ends = run_unguarded(clinic.mismatched_shape, "broken", timeout_s=3.0)   # no debug mode: rank 0 aborts
-    seen = inspect_hang(folder)        # py-spy dump --pid and faulthandler of a rank stuck in an all_reduce
+    seen = inspect_hang()              # py-spy dump --pid and faulthandler of a rank stuck in an all_reduce
     report = torchrun_recorded(1)      # plain torchrun, a script whose main is decorated with @record
 
 The clinic's other cases catch each rank's exception; these show what is left when there is none to catch
