@@ -155,7 +155,11 @@ def skipped_collective(ctx, variant: str, timeout_s: float) -> Outcome:
 
 
 def flight_record() -> list[dict]:
-    """This rank's flight recorder entries (gloo and NCCL alike), read directly from the pickled dump."""
+    """This rank's flight recorder entries (gloo and NCCL alike), read directly from the pickled dump.
+
+    `_dump_fr_trace` is a private binding (torch 2.14 has no public Python call): it may change in any release.
+    The public path is the dump file the NCCL watchdog writes (TORCH_FR_DUMP_TEMP_FILE) read by `torchfrtrace`.
+    """
     from torch._C._distributed_c10d import _dump_fr_trace
     dump = pickle.loads(_dump_fr_trace())
     return [{"seq": entry["collective_seq_id"], "op": entry["profiling_name"], "pg_id": entry["pg_id"],

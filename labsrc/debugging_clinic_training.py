@@ -57,6 +57,43 @@ def ddp_training(ctx, variant: str, steps: int = 20) -> Outcome:
     return attempt("unused_parameters", variant, ctx.rank, train)
 
 
+ALTERNATING_VARIANTS = ("static_graph", "find_unused")
+
+
+def ddp_alternating(ctx, variant: str, steps: int = 6) -> Outcome:
+    """aux is used on odd steps only (`use_aux = step % 2`): the used set changes from step to step.
+
+    static_graph: DDP learnt in step 0 that aux is unused, so step 1, which uses it, raises; find_unused: the
+    graph walk marks the unused set anew each step. detail: per step, aux.weight's gradient summed on this rank
+    (None where unused), to compare across ranks (all-reduced, so equal).
+    """
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    dist.set_debug_level_from_env()
+    torch.manual_seed(0)
+    model = DDP(TwoHeads(), find_unused_parameters=variant == "find_unused", static_graph=variant == "static_graph")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    batch = torch.randn(32, 64) + ctx.rank  # different data per rank: equal gradients only if all-reduced
+    aux_grads: list = []
+
+    def train():
+        for step in range(steps):
+            optimizer.zero_grad(set_to_none=True)
+            model(batch, use_aux=step % 2 == 1).square().mean().backward()
+            grad = model.module.aux.weight.grad
+            aux_grads.append(None if grad is None else float(grad.sum()))
+            optimizer.step()
+        return {"aux_grads": aux_grads}
+    outcome = attempt("alternating_use", variant, ctx.rank, train)
+    outcome.detail = {"aux_grads": aux_grads, "steps_done": len(aux_grads)}
+    return outcome
+
+
+def alternating_case(ctx, variant: str, timeout_s: float) -> Outcome:
+    """run_case's signature for ddp_alternating."""
+    return ddp_alternating(ctx, variant)
+
+
 def ddp_case(ctx, variant: str, timeout_s: float) -> Outcome:
     """run_case's signature for ddp_training (DDP's own collectives use the default group)."""
     return ddp_training(ctx, variant)

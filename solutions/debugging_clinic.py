@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 def diagnose(evidence):
     """evidence {exception, message, fates, waited_s, timeout_s} -> the cause key."""
-    message, exception = evidence["message"], evidence["exception"]
+    message, exception, fates = evidence["message"], evidence["exception"], evidence["fates"].values()
     if "Detected mismatch between collectives" in message:
         return "collective_mismatch"
     if "monitoredBarrier" in message:
@@ -16,10 +16,14 @@ def diagnose(evidence):
         return "port_in_use"
     if exception == "DistStoreError":
         return "world_size_mismatch"
-    if "vanished" in evidence["fates"].values():
-        return "rank_died"
-    if evidence["waited_s"] >= evidence["timeout_s"] and "finished" in evidence["fates"].values():
+    waited_it_out = evidence["waited_s"] >= evidence["timeout_s"]
+    # NCCL's watchdog ends a timed-out rank's process: it vanishes, but from a timeout, not a death of its own
+    if "Watchdog caught collective operation timeout" in message or (waited_it_out and "finished" in fates):
         return "skipped_collective"
+    if "vanished" in fates:
+        return "rank_died"
+    if waited_it_out and all(fate.startswith("raised") for fate in fates):
+        return "collective_mismatch"  # every rank waited in a collective the others never matched
     return "unknown"
 
 

@@ -31,13 +31,25 @@ def in_fresh_interpreter(code: str):
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_flight_recorder_finds_the_skipped_collective():
+def test_flight_recorder_finds_the_skipped_collective_and_torchfrtrace_refuses_gloo_dumps(tmp_path):
+    """The notebook says torchfrtrace (torch 2.14.1) stops with a KeyError on gloo's dumps: when a torch reads
+    them, this fails, and the notebook's flight-recorder section can use it instead of first_divergence."""
+    import subprocess
+    import sys
     divergence = in_fresh_interpreter(
         "import json\n"
         "from labsrc import debugging_clinic as clinic\n"
-        "outcomes = clinic.run_case(clinic.skipped_collective, 'broken', timeout_s=2.0, flight_recorder=True)\n"
+        "from torch._C._distributed_c10d import _dump_fr_trace\n"
+        "def dumped(ctx, variant, timeout_s):\n"
+        "    outcome = clinic.skipped_collective(ctx, variant, timeout_s)\n"
+        f"    open(f'{tmp_path}/trace_{{ctx.rank}}', 'wb').write(_dump_fr_trace())\n"
+        "    return outcome\n"
+        "outcomes = clinic.run_case(dumped, 'broken', timeout_s=2.0, flight_recorder=True)\n"
         "print(json.dumps(clinic.first_divergence([o.detail['flight_record'] for o in outcomes])))\n")
     assert divergence["entered"] == [0] and divergence["missing"] == [1] and divergence["sizes"] == [[4]]
+    frtrace = subprocess.run([sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace", str(tmp_path),
+                              "--prefix", "trace_"], capture_output=True, text=True, timeout=120)
+    assert frtrace.returncode != 0 and "KeyError" in frtrace.stderr, frtrace.stdout[-2000:] + frtrace.stderr[-2000:]
 
 
 def test_first_divergence_of_equal_records_is_none():

@@ -90,8 +90,8 @@ def allreduce_steps(ctx, records, options: Options) -> dict:
             os.kill(os.getpid(), signal.SIGKILL)
         value = torch.tensor([float(ctx.rank)], device=ctx.device)  # NCCL reduces only CUDA tensors
         started = time.perf_counter()
-        try:
-            dist.all_reduce(value)
+        try:  # gloo raises here; on NCCL the call only enqueues the work, the wait is in .item() below, and a
+            dist.all_reduce(value)  # timeout ends the process through the watchdog: this except never runs
         except Exception as exc:
             records.write(PeerLost(step=step, exception=type(exc).__name__,
                                    message=str(exc).strip().splitlines()[0][:300],
