@@ -213,7 +213,8 @@ def root_cause(report: str) -> dict:
 
     torchrun picks the failure with the smallest timestamp, counted in whole seconds (the error file's, or when
     the agent saw the exit): a survivor that fails in the same second as the culprit ties with it, and the tie
-    goes to the lower rank. Read every failure (`failures`), not only this one.
+    goes to the failure the agent recorded first (it polls every --monitor-interval, in local-rank order: two
+    ranks ended between the same polls tie to the lower). Read every failure (`failures`), not only this one.
     """
     return next((failure for failure in failures(report) if failure["root"]), {})
 
