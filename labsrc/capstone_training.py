@@ -101,6 +101,12 @@ def build(ctx, settings: RunSettings, example: torch.Tensor, snapshot: Path | No
     return model, ddp, runner, optimizer, scaler, start, reason
 
 
+def batch_fingerprint(images: torch.Tensor, labels: torch.Tensor) -> float:
+    """One number for a batch as loaded (before it moves to the device): equal batches give equal numbers, so two
+    runs can be compared step by step on which samples each step trained on."""
+    return float(images.double().sum() + 1000.0 * (labels.double() * torch.arange(1, len(labels) + 1)).sum())
+
+
 def all_reduced_mean(values: list[torch.Tensor]) -> float:
     """The mean of this segment's per-step losses over the steps and over every rank (one all_reduce)."""
     total = torch.stack(values).float().sum().reshape(1)
@@ -148,10 +154,11 @@ def train_run(ctx, settings: RunSettings, train_set: Dataset, held_out: Dataset,
     """Train to settings.schedule.total_steps (resuming from snapshot when it exists); report(kind, values) logs.
 
     report gets "start" (with the optimizer state restored: momentum buffers per parameter tensor), "order"
-    (this rank's sample indices in each of the first ORDER_EPOCHS epochs), "log" (all-reduced loss, the rates
-    the optimizer used, throughput), "evaluation" (held-out accuracy and the training seconds so far),
-    "snapshot" and "final" (this rank's digests of parameters and of buffers). stop_after(step) ends the run
-    early right after that step's snapshot (a planted crash does this). Returns the final values.
+    (this rank's sample indices in each of the first ORDER_EPOCHS epochs), "log" (all-reduced loss, the rate
+    the optimizer used at each step, each step's batch_fingerprint on this rank, throughput), "evaluation"
+    (held-out accuracy and the training seconds so far), "snapshot" and "final" (this rank's digests of
+    parameters and of buffers). stop_after(step) ends the run right after that step's evaluation (and its
+    snapshot, when one is due): a crash between snapshots resumes from the last one and redoes the steps since. Returns the final values.
     """
     schedule = settings.schedule
     batch = schedule.global_batch // ctx.world_size
@@ -178,10 +185,11 @@ def _steps(ctx, settings, model, runner, optimizer, scaler, start, batch, train_
     total, step_index, train_seconds = settings.schedule.total_steps, start, 0.0
     while step_index < total:
         segment_end = min(total, (step_index // settings.eval_every + 1) * settings.eval_every)
-        losses, rates = [], []
+        losses, rates, fingerprints = [], [], []
         with timed(ctx.device) as clock:
             while step_index < segment_end:
                 epoch, images, labels = next(batches)
+                fingerprints.append(batch_fingerprint(images, labels))
                 images = images.to(ctx.device, non_blocking=True, memory_format=memory_format)
                 labels = labels.to(ctx.device, non_blocking=True)
                 for group in optimizer.param_groups:
@@ -192,8 +200,8 @@ def _steps(ctx, settings, model, runner, optimizer, scaler, start, batch, train_
                 step_index += 1
         train_seconds += clock["s"]
         images_per_s = len(losses) * settings.schedule.global_batch / clock["s"]
-        report("log", {"step": step_index, "epoch": epoch, "lr": rates[-1], "max_lr": max(rates),
-                       "loss": all_reduced_mean(losses), "images_per_s": images_per_s})
+        report("log", {"step": step_index, "epoch": epoch, "lr": rates[-1], "max_lr": max(rates), "rates": rates,
+                       "batches": fingerprints, "loss": all_reduced_mean(losses), "images_per_s": images_per_s})
         scores = evaluate(model, held_out, ctx, settings.precision)
         report("evaluation", {"step": step_index, "train_seconds": train_seconds, **scores})
         if snapshot is not None and (step_index % settings.snapshot_every == 0 or step_index == total):

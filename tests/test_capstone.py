@@ -137,44 +137,68 @@ def test_a_write_that_fails_leaves_the_previous_snapshot(tmp_path, monkeypatch):
     assert path.read_bytes() == before
 
 
-def settings(total_steps=8):
+def settings(total_steps=8, eval_every=2, snapshot_every=4):
     return RunSettings(model="tiny_cnn", precision="fp32", channels_last=False, compile=False,
                        compile_backend="inductor",
                        schedule=capstone.Schedule(0.4, 256, 32, 2, total_steps), momentum=0.9,
-                       weight_decay=5e-4, max_norm=None, eval_every=2, snapshot_every=4, num_workers=0, seed=0)
+                       weight_decay=5e-4, max_norm=None, eval_every=eval_every, snapshot_every=snapshot_every,
+                       num_workers=0, seed=0)
 
 
-def train_on_rank(ctx, folder, stop_at, forget_momentum):
-    """Train uninterrupted, then stopped at stop_at and resumed from its snapshot; both ranks' digests."""
+def train_on_rank(ctx, folder, stop_at, forget_momentum, eval_every=2, snapshot_every=4):
+    """Train uninterrupted, then stopped at stop_at and resumed from its last snapshot (128 samples at a global
+    batch of 32: 4 steps an epoch). Returns both digests, the start steps, the accuracies, and {step: this
+    rank's batch fingerprint} of the uninterrupted run and of the resumed one."""
     train_set, held_out = capstone.offline_split(128, 32, 8, seed=0)
+    chosen = settings(eval_every=eval_every, snapshot_every=snapshot_every)
     events = []
     report = lambda kind, values: events.append((kind, values))  # noqa: E731
-    whole = train_run(ctx, settings(), train_set, held_out, None, report)
+    whole = train_run(ctx, chosen, train_set, held_out, None, report)
+    whole_batches = batches_by_step(events)
     snapshot = folder / "snapshot.pt"
-    train_run(ctx, settings(), train_set, held_out, snapshot, report, stop_after=lambda step: step >= stop_at)
+    train_run(ctx, chosen, train_set, held_out, snapshot, report, stop_after=lambda step: step >= stop_at)
     if forget_momentum and ctx.is_main:
         state = load_checked(snapshot)
         state["optimizer"]["state"] = {}
         save_atomic(state, snapshot)
     torch.distributed.barrier()
-    resumed = train_run(ctx, settings(), train_set, held_out, snapshot, report)
+    events.clear()
+    resumed = train_run(ctx, chosen, train_set, held_out, snapshot, report)
     starts = [values["resumed_from"] for kind, values in events if kind == "start"]
     accuracy = [values["accuracy"] for kind, values in events if kind == "evaluation"]
-    return whole["digest"], resumed["digest"], starts, accuracy
+    return whole["digest"], resumed["digest"], starts, accuracy, whole_batches, batches_by_step(events)
 
 
-@pytest.mark.parametrize("stop_at", [4, 6])
-def test_resumed_run_equals_the_uninterrupted_one_on_every_rank(tmp_path, stop_at):
-    results = run_ranks(train_on_rank, 2, (tmp_path, stop_at, False), timeout_s=120)
-    (whole, resumed, starts, accuracy), other = results
+def batches_by_step(events) -> dict[int, float]:
+    """{0-based step: its batch fingerprint} from a run's "log" events."""
+    found = {}
+    for kind, values in events:
+        if kind == "log":
+            first = values["step"] - len(values["batches"])
+            found.update({first + i: fingerprint for i, fingerprint in enumerate(values["batches"])})
+    return found
+
+
+@pytest.mark.parametrize("stop_at, eval_every, snapshot_every, resumed_from", [
+    (4, 2, 4, 4),  # stopped right after the step-4 snapshot: the resume starts epoch 1 at its first batch
+    (3, 1, 2, 2),  # stopped between snapshots (at 2 and 4): the resume starts mid-epoch, 2 of 4 batches done
+], ids=["epoch-boundary", "mid-epoch"])
+def test_resumed_run_equals_the_uninterrupted_one_on_every_rank(tmp_path, stop_at, eval_every, snapshot_every,
+                                                                 resumed_from):
+    results = run_ranks(train_on_rank, 2, (tmp_path, stop_at, False, eval_every, snapshot_every), timeout_s=120)
+    (whole, resumed, starts, accuracy, whole_batches, resumed_batches), other = results
+    assert starts == [resumed_from], f"the last snapshot at or before step {stop_at} is at step {resumed_from}"
+    assert sorted(resumed_batches) == list(range(resumed_from, 8)), "the resumed run trains the remaining steps"
+    replayed = [step for step in resumed_batches if resumed_batches[step] != whole_batches[step]]
+    assert not replayed, (f"the resumed run trained steps {replayed} on other batches than the uninterrupted run: "
+                          "it must skip the batches of its epoch already trained on, not replay them")
     assert whole == resumed, "resuming from the snapshot must reach the same parameters"
     assert other[:2] == (whole, resumed), "DDP keeps both ranks identical"
-    assert starts == [0, 0, 4], "the last snapshot before the stop is at step 4"
-    assert len(accuracy) == 4 + stop_at // 2 + (8 - 4) // 2 and all(0 <= a <= 1 for a in accuracy)
+    assert len(accuracy) == (8 - resumed_from) // eval_every and all(0 <= a <= 1 for a in accuracy)
 
 
 def test_a_snapshot_without_optimizer_state_resumes_elsewhere(tmp_path):
-    whole, resumed, _, _ = run_ranks(train_on_rank, 2, (tmp_path, 4, True), timeout_s=120)[0]
+    whole, resumed = run_ranks(train_on_rank, 2, (tmp_path, 4, True), timeout_s=120)[0][:2]
     assert whole != resumed, "momentum is part of the state: losing it must change the result"
 
 

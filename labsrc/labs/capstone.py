@@ -133,6 +133,10 @@ class TrainLog(Record):
     epoch: int
     lr: float
     max_lr: float
+    rates: list[float]
+    """The rate the optimizer used at each step of the segment, read back from it."""
+    batches: list[float]
+    """Each step's batch_fingerprint on rank 0: which samples the step trained on, comparable between runs."""
     loss: float
     images_per_s: float
 
