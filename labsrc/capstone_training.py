@@ -128,11 +128,25 @@ def broadcast_buffers(model: torch.nn.Module) -> None:
             dist.broadcast(buffer, src=0)
 
 
-def evaluate(model: torch.nn.Module, held_out: Dataset, ctx, precision: str, batch: int = 256) -> dict:
-    """Accuracy and loss on the held-out split with rank 0's buffers: each rank scores every world_size-th
-    sample, the counts are all-reduced."""
+def strided_share(held_out: Dataset, ctx) -> Dataset:
+    """This rank's share of the held-out split: every world_size-th sample from its rank on. Disjoint, and
+    together exactly the split, whatever its size (shares differ by one sample at most)."""
+    return torch.utils.data.Subset(held_out, range(ctx.rank, len(held_out), ctx.world_size))
+
+
+def sampler_share(held_out: Dataset, ctx) -> Dataset:
+    """The share DistributedSampler gives (shuffle=False): equal shares, so when world_size does not divide the
+    split it pads by repeating the first ceil(N/n)*n - N samples, which are then counted twice."""
+    order = DistributedSampler(held_out, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
+    return torch.utils.data.Subset(held_out, list(order))
+
+
+def evaluate(model: torch.nn.Module, held_out: Dataset, ctx, precision: str, batch: int = 256,
+             share: Callable[[Dataset, object], Dataset] = strided_share) -> dict:
+    """Accuracy and loss on the held-out split with rank 0's buffers: each rank scores its share (by default
+    every world_size-th sample), the sums and counts are all-reduced."""
     broadcast_buffers(model)
-    subset = torch.utils.data.Subset(held_out, range(ctx.rank, len(held_out), ctx.world_size))
+    subset = share(held_out, ctx)
     totals = torch.zeros(3, device=ctx.device, dtype=torch.float64)  # correct, loss sum, count
     model.eval()
     with torch.no_grad():

@@ -171,12 +171,7 @@ def train_on_rank(ctx, folder, stop_at, forget_momentum, eval_every=2, snapshot_
 
 def batches_by_step(events) -> dict[int, float]:
     """{0-based step: its batch fingerprint} from a run's "log" events."""
-    found = {}
-    for kind, values in events:
-        if kind == "log":
-            first = values["step"] - len(values["batches"])
-            found.update({first + i: fingerprint for i, fingerprint in enumerate(values["batches"])})
-    return found
+    return capstone.fingerprints_by_step(values for kind, values in events if kind == "log")
 
 
 @pytest.mark.parametrize("stop_at, eval_every, snapshot_every, resumed_from", [
@@ -238,3 +233,13 @@ def test_lab_runs_as_a_world_of_one(tmp_path, monkeypatch):
                         "--eval-every", "2"])
     assert summary["source"] == "synthetic" and summary["steps"] == 4 and len(summary["digest"]) == 64
     assert summary["precision"] == "fp32" and math.isfinite(summary["train_seconds"])
+
+
+def test_a_world_size_that_does_not_divide_the_split_counts_twice_with_distributed_sampler():
+    from labsrc import capstone_evaluation
+    scores = run_ranks(capstone_evaluation.scores_by_share, 3, (256,), timeout_s=60)[0]
+    strided, sampler = scores["strided"], scores["sampler"]
+    alone = capstone_evaluation.one_process_scores(256)
+    assert strided["count"] == 256 and strided["accuracy"] == alone["accuracy"]
+    assert strided["loss"] == pytest.approx(alone["loss"], abs=1e-5)
+    assert sampler["count"] == 258, "DistributedSampler pads 256 to 3 x 86, counting 2 samples twice"
