@@ -166,6 +166,9 @@ def train_on_rank(ctx, folder, stop_at, forget_momentum, eval_every=2, snapshot_
     resumed = train_run(ctx, chosen, train_set, held_out, snapshot, report)
     starts = [values["resumed_from"] for kind, values in events if kind == "start"]
     accuracy = [values["accuracy"] for kind, values in events if kind == "evaluation"]
+    sent = {values["allreduce_bytes_per_step"] for kind, values in events if kind == "log"}
+    assert sent == {next(values["parameter_bytes"] for kind, values in events if kind == "start")}, (
+        f"DDP should all-reduce one fp32 gradient per parameter each step; counted {sent} bytes")
     return whole["digest"], resumed["digest"], starts, accuracy, whole_batches, batches_by_step(events)
 
 
