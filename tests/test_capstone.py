@@ -7,10 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from labsrc import elastic_fault_tolerance_snapshot as snapshot_file
-from labsrc.elastic_fault_tolerance_snapshot import load_checked, save_atomic
-
 from labsrc import capstone
+from labsrc import elastic_fault_tolerance_snapshot as snapshot_file
 from labsrc.capstone_training import RunSettings, train_run
 from labsrc.core.forked import run_ranks
 from labsrc.core.world import RankContext, RequestError

@@ -1,6 +1,7 @@
 """The runs notebook 01b's checker makes of a DDP script: by path on ranks, on simulated nodes, with a planted failure."""
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -69,9 +70,8 @@ def failure_verdict(script: Path, world_size: int, backend: str, folder: Path, t
     if not reports:
         return ("in the failure run no rank got as far as exiting by itself: keep write_report and describe "
                 "as given.")
-    import json
-    kept = [json.loads(path.read_text())["rank"] for path in reports
-            if not json.loads(path.read_text()).get("group_destroyed")]
+    written = [json.loads(path.read_text()) for path in reports]
+    kept = [report["rank"] for report in written if not report.get("group_destroyed")]
     if kept:
         return (f"when training raised, rank(s) {kept} still held the process group at exit: "
                 "dist.destroy_process_group() belongs in a `finally:`, so it runs whether the try ended or raised.")
