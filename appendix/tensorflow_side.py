@@ -80,3 +80,35 @@ def replica_batch_sizes(strategy, global_batch: int, features: int = 6) -> list[
 def largest_difference(first: list[np.ndarray], second: list[np.ndarray]) -> float:
     """Largest absolute element-wise difference over matching gradient lists."""
     return max(float(np.max(np.abs(a - b))) for a, b in zip(first, second))
+
+
+def mirrored_train_step(strategy, model, optimizer, inputs, labels) -> None:
+    """One training step under strategy: each replica takes its share of the global batch, scales its loss sum by
+    the global batch and calls optimizer.apply_gradients inside strategy.run, which all-reduces (sums) the
+    replicas' gradients before every replica applies the same update. Model and optimizer built in strategy.scope()."""
+    import tensorflow as tf
+    global_batch = len(labels)
+    dataset = tf.data.Dataset.from_tensor_slices((inputs, labels)).batch(global_batch)
+    shards = iter(strategy.experimental_distribute_dataset(dataset))
+
+    def replica_step(replica_inputs, replica_labels):
+        with tf.GradientTape() as tape:
+            losses = per_example_loss(model, replica_inputs, replica_labels)
+            loss = tf.nn.compute_average_loss(losses, global_batch_size=global_batch)
+        gradients = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+
+    strategy.run(tf.function(replica_step), args=next(shards))
+
+
+def full_batch_train_step(model, optimizer, inputs, labels) -> None:
+    """The reference: one replica, one optimizer step on the mean loss of the whole batch."""
+    import tensorflow as tf
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(per_example_loss(model, inputs, labels))
+    optimizer.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+
+def weights(model) -> list[np.ndarray]:
+    """The model's trainable weights as arrays (a mirrored variable reads as its value, the same on every replica)."""
+    return [variable.numpy() for variable in model.trainable_variables]

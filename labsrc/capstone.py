@@ -157,6 +157,17 @@ def state_digest(model: torch.nn.Module, part: str = "all") -> str:
 
 # -- the scaling report -----------------------------------------------------------------------------------------
 
+def fingerprints_by_step(logs) -> dict[int, float]:
+    """{0-based step: the fingerprint of the batch it trained on} from a run's log records (TrainLog, or dicts
+    with "step", the step count at the segment's end, and "batches", one fingerprint per step of the segment)."""
+    found = {}
+    for log in logs:
+        values = log if isinstance(log, dict) else vars(log)
+        first = values["step"] - len(values["batches"])
+        found.update({first + i: fingerprint for i, fingerprint in enumerate(values["batches"])})
+    return found
+
+
 def time_to_target(evaluations: list[dict], target: float) -> float | None:
     """Training seconds at the first evaluation whose accuracy reaches target (None: never reached)."""
     for row in sorted(evaluations, key=lambda r: r["step"]):

@@ -74,7 +74,8 @@ def batches_from(dataset: Dataset, batch: int, ctx, settings: RunSettings, start
 
 
 def build(ctx, settings: RunSettings, example: torch.Tensor, snapshot: Path | None):
-    """(model, ddp, runner, optimizer, scaler, start step, compile reason); the snapshot restored if it exists.
+    """(model, all-reduce counter (None without DDP or when compiled), runner, optimizer, scaler, start step,
+    compile reason); the snapshot restored if it exists.
 
     example: (N, 3, H, W) images for compile_or_fallback's trial call; BatchNorm statistics that the trial
     changes are put back, so a compiled run and a resumed run start from the same state.
@@ -88,9 +89,12 @@ def build(ctx, settings: RunSettings, example: torch.Tensor, snapshot: Path | No
     start = 0
     if snapshot is not None and snapshot.exists():
         start = load_snapshot(snapshot, model, optimizer, scaler, ctx.device)
-    ddp = model  # a world of one started without torchrun has no process group to synchronise over
+    ddp, counter = model, None  # a world of one started without torchrun has no process group to synchronise over
     if dist.is_initialized():
         ddp = DistributedDataParallel(model, device_ids=[ctx.device] if ctx.device.type == "cuda" else None)
+        if not settings.compile:  # eager only: the count is for the scaling report, compiled DDP keeps its own
+            counter = AllReduceCount()
+            ddp.register_comm_hook(counter, counted_allreduce)
     kept = {name: buffer.clone() for name, buffer in model.named_buffers()}
     runner, _, reason = compile_or_fallback(ddp, settings.compile, settings.compile_backend,
                                             example.to(ctx.device, memory_format=memory_format),
@@ -98,7 +102,28 @@ def build(ctx, settings: RunSettings, example: torch.Tensor, snapshot: Path | No
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             buffer.copy_(kept[name])
-    return model, ddp, runner, optimizer, scaler, start, reason
+    return model, counter, runner, optimizer, scaler, start, reason
+
+
+def batch_fingerprint(images: torch.Tensor, labels: torch.Tensor) -> float:
+    """One number for a batch as loaded (before it moves to the device): equal batches give equal numbers, so two
+    runs can be compared step by step on which samples each step trained on."""
+    return float(images.double().sum() + 1000.0 * (labels.double() * torch.arange(1, len(labels) + 1)).sum())
+
+
+class AllReduceCount:
+    """The state of counted_allreduce: the bytes of gradient buckets all-reduced so far."""
+
+    def __init__(self):
+        self.bytes = 0
+
+
+def counted_allreduce(state: AllReduceCount, bucket):
+    """DDP's default all-reduce as a comm hook (torch's allreduce_hook: divide by the world size, all-reduce the
+    sum) that also adds each gradient bucket's size in bytes to state.bytes."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    state.bytes += bucket.buffer().numel() * bucket.buffer().element_size()
+    return allreduce_hook(None, bucket)
 
 
 def all_reduced_mean(values: list[torch.Tensor]) -> float:
@@ -122,11 +147,25 @@ def broadcast_buffers(model: torch.nn.Module) -> None:
             dist.broadcast(buffer, src=0)
 
 
-def evaluate(model: torch.nn.Module, held_out: Dataset, ctx, precision: str, batch: int = 256) -> dict:
-    """Accuracy and loss on the held-out split with rank 0's buffers: each rank scores every world_size-th
-    sample, the counts are all-reduced."""
+def strided_share(held_out: Dataset, ctx) -> Dataset:
+    """This rank's share of the held-out split: every world_size-th sample from its rank on. Disjoint, and
+    together exactly the split, whatever its size (shares differ by one sample at most)."""
+    return torch.utils.data.Subset(held_out, range(ctx.rank, len(held_out), ctx.world_size))
+
+
+def sampler_share(held_out: Dataset, ctx) -> Dataset:
+    """The share DistributedSampler gives (shuffle=False): equal shares, so when world_size does not divide the
+    split it pads by repeating the first ceil(N/n)*n - N samples, which are then counted twice."""
+    order = DistributedSampler(held_out, num_replicas=ctx.world_size, rank=ctx.rank, shuffle=False)
+    return torch.utils.data.Subset(held_out, list(order))
+
+
+def evaluate(model: torch.nn.Module, held_out: Dataset, ctx, precision: str, batch: int = 256,
+             share: Callable[[Dataset, object], Dataset] = strided_share) -> dict:
+    """Accuracy and loss on the held-out split with rank 0's buffers: each rank scores its share (by default
+    every world_size-th sample), the sums and counts are all-reduced."""
     broadcast_buffers(model)
-    subset = torch.utils.data.Subset(held_out, range(ctx.rank, len(held_out), ctx.world_size))
+    subset = share(held_out, ctx)
     totals = torch.zeros(3, device=ctx.device, dtype=torch.float64)  # correct, loss sum, count
     model.eval()
     with torch.no_grad():
@@ -148,26 +187,28 @@ def train_run(ctx, settings: RunSettings, train_set: Dataset, held_out: Dataset,
     """Train to settings.schedule.total_steps (resuming from snapshot when it exists); report(kind, values) logs.
 
     report gets "start" (with the optimizer state restored: momentum buffers per parameter tensor), "order"
-    (this rank's sample indices in each of the first ORDER_EPOCHS epochs), "log" (all-reduced loss, the rates
-    the optimizer used, throughput), "evaluation" (held-out accuracy and the training seconds so far),
-    "snapshot" and "final" (this rank's digests of parameters and of buffers). stop_after(step) ends the run
-    early right after that step's snapshot (a planted crash does this). Returns the final values.
+    (this rank's sample indices in each of the first ORDER_EPOCHS epochs), "log" (all-reduced loss, the rate
+    the optimizer used at each step, each step's batch_fingerprint on this rank, the gradient bytes DDP all-reduced per step, throughput), "evaluation"
+    (held-out accuracy and the training seconds so far), "snapshot" and "final" (this rank's digests of
+    parameters and of buffers). stop_after(step) ends the run right after that step's evaluation (and its
+    snapshot, when one is due): a crash between snapshots resumes from the last one and redoes the steps since. Returns the final values.
     """
     schedule = settings.schedule
     batch = schedule.global_batch // ctx.world_size
     probe = next(iter(DataLoader(train_set, batch_size=batch)))[0]
     with tf32(True):  # TF32 on Ampere+ GPUs for what autocast leaves in float32; nothing changes elsewhere
-        model, ddp, runner, optimizer, scaler, start, reason = build(ctx, settings, probe, snapshot)
+        model, counter, runner, optimizer, scaler, start, reason = build(ctx, settings, probe, snapshot)
         report("start", {"resumed_from": start, "compile_reason": reason, "per_rank_batch": batch,
                          "steps_per_epoch": len(train_set) // schedule.global_batch, "held_out": len(held_out),
                          "parameter_tensors": len(list(model.parameters())),
+                         "parameter_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
                          "momentum_buffers": sum("momentum_buffer" in state for state in optimizer.state.values())})
         return _steps(ctx, settings, model, runner, optimizer, scaler, start, batch, train_set, held_out,
-                      snapshot, report, stop_after)
+                      snapshot, report, stop_after, counter)
 
 
 def _steps(ctx, settings, model, runner, optimizer, scaler, start, batch, train_set, held_out, snapshot,
-           report, stop_after) -> dict:
+           report, stop_after, counter=None) -> dict:
     """train_run's loop: timed segments of eval_every steps, each followed by logging, evaluation, snapshot."""
     memory_format = torch.channels_last if settings.channels_last else torch.contiguous_format
     def record_order(epoch: int, order: list[int]) -> None:
@@ -175,13 +216,14 @@ def _steps(ctx, settings, model, runner, optimizer, scaler, start, batch, train_
             report("order", {"epoch": epoch, "indices": order})
 
     batches = batches_from(train_set, batch, ctx, settings, start, record_order)
-    total, step_index, train_seconds = settings.schedule.total_steps, start, 0.0
+    total, step_index, train_seconds, sent_before = settings.schedule.total_steps, start, 0.0, 0
     while step_index < total:
         segment_end = min(total, (step_index // settings.eval_every + 1) * settings.eval_every)
-        losses, rates = [], []
+        losses, rates, fingerprints = [], [], []
         with timed(ctx.device) as clock:
             while step_index < segment_end:
                 epoch, images, labels = next(batches)
+                fingerprints.append(batch_fingerprint(images, labels))
                 images = images.to(ctx.device, non_blocking=True, memory_format=memory_format)
                 labels = labels.to(ctx.device, non_blocking=True)
                 for group in optimizer.param_groups:
@@ -192,8 +234,11 @@ def _steps(ctx, settings, model, runner, optimizer, scaler, start, batch, train_
                 step_index += 1
         train_seconds += clock["s"]
         images_per_s = len(losses) * settings.schedule.global_batch / clock["s"]
-        report("log", {"step": step_index, "epoch": epoch, "lr": rates[-1], "max_lr": max(rates),
-                       "loss": all_reduced_mean(losses), "images_per_s": images_per_s})
+        sent = None if counter is None else (counter.bytes - sent_before) / len(losses)
+        sent_before = 0 if counter is None else counter.bytes
+        report("log", {"step": step_index, "epoch": epoch, "lr": rates[-1], "max_lr": max(rates), "rates": rates,
+                       "batches": fingerprints, "allreduce_bytes_per_step": sent, "loss": all_reduced_mean(losses),
+                       "images_per_s": images_per_s})
         scores = evaluate(model, held_out, ctx, settings.precision)
         report("evaluation", {"step": step_index, "train_seconds": train_seconds, **scores})
         if snapshot is not None and (step_index % settings.snapshot_every == 0 or step_index == total):

@@ -7,6 +7,7 @@ DDP; rank 0 prints the metrics all-reduced over the ranks and writes the checkpo
 reads back. With --report-dir each rank also writes rank<r>.json (numbers for the course's checker).
 """
 import argparse
+import atexit
 import datetime
 import json
 import os
@@ -27,6 +28,7 @@ BATCH_PER_RANK = 8  # samples per rank per step: global batch = BATCH_PER_RANK x
 LEARNING_RATE = 0.2
 EPOCHS = 3
 TIMEOUT = datetime.timedelta(seconds=60)  # every collective gives up after this instead of hanging
+FAILURE_ENV = "LABSRC_DDP_SCRIPT_FAIL"  # the checker sets it to a folder: describe() then raises (a failure run)
 
 
 # ---- given: data, model, optimizer, and the report the course's checker reads (keep as is) ----------------------------
@@ -65,13 +67,40 @@ def note(report: dict, event: str) -> None:
     report["events"].append([event, time.time()])
 
 
+def group_timeout_s() -> float | None:
+    """The default process group's collective timeout in seconds, read from its backend's options (a private
+    attribute: None on a torch that does not have it)."""
+    try:
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return dist.group.WORLD._get_backend(device).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return None
+
+
+class InjectedFailure(RuntimeError):
+    """Raised on purpose by describe() in the checker's failure run."""
+
+
 def describe(report: dict, model: nn.Module) -> None:
-    """What this rank's process group, device and model are, seen from inside (call before destroying the group)."""
-    report.update(backend=dist.get_backend(), world_size=dist.get_world_size(),
-                  wrapped_in_ddp=isinstance(model, DistributedDataParallel),
+    """What this rank's process group, device and model are, seen from inside (call before destroying the group).
+
+    In the checker's failure run (FAILURE_ENV set) it then raises InjectedFailure, and the report is written
+    when the process exits: it says whether the group was destroyed by then, i.e. whether that is in a finally.
+    """
+    report.update(backend=dist.get_backend(), world_size=dist.get_world_size(), group_timeout_s=group_timeout_s(),
+                  local_rank=int(os.environ["LOCAL_RANK"]), wrapped_in_ddp=isinstance(model, DistributedDataParallel),
                   device_ids=getattr(model, "device_ids", None),
                   cuda_device=torch.cuda.current_device() if torch.cuda.is_available() else None,
                   parameter_checksum=parameter_checksum(getattr(model, "module", model).state_dict()))
+    if os.environ.get(FAILURE_ENV):
+        atexit.register(write_report, report, os.environ[FAILURE_ENV])
+        raise InjectedFailure(f"raised on purpose ({FAILURE_ENV} is set): is the group destroyed in a finally?")
+
+
+def note_loaded(report: dict, state: dict) -> None:
+    """Note what this rank's torch.load gave back: the state's checksum and the device its tensors are on."""
+    report["checkpoint_checksum"] = parameter_checksum(state)
+    report["loaded_device"] = str(next(iter(state.values())).device)
 
 
 def write_report(report: dict, folder) -> None:
@@ -121,18 +150,17 @@ def train(model, loader, sampler, device, rank: int, report: dict) -> None:
             totals[0] += loss.detach().double() * len(labels)
             totals[1] += len(labels)
         local_loss = (totals[0] / totals[1]).item()
-        # TODO 6: sum `totals` over the ranks (dist.all_reduce(..., async_op=True).wait(TIMEOUT) bounds the wait),
-        # then loss = summed loss / samples; record it, and print one line per epoch on rank 0 only.
+        # TODO 6: sum `totals` over the ranks, then loss = summed loss / samples (and samples, the count); record
+        # them, and print one line per epoch on rank 0 only.
         raise NotImplementedError("TODO 6: all-reduce the totals, log on rank 0")
         report["epochs"].append({"epoch": epoch, "local_loss": local_loss, "loss": loss, "samples": samples})
 
 
 def checkpoint_round_trip(model, path: str, device, rank: int, report: dict) -> dict:
     """Rank 0 writes the checkpoint once; every rank reads it back after the barrier, onto its own device."""
-    # TODO 7: on rank 0 only, torch.save the unwrapped model's state_dict to `path`, then note(report, "saved").
-    # Every rank waits until the file is complete (dist.barrier()), then note(report, "loading") and reads it with
-    # torch.load(path, map_location=device, weights_only=True); report["checkpoint_checksum"] =
-    # parameter_checksum(state); load it into the model; return state.
+    # TODO 7: rank 0 alone saves the unwrapped model's state_dict to `path`, then note(report, "saved"). No rank
+    # reads before the file is complete; each notes (report, "loading"), reads it back onto its own device
+    # (weights_only=True), calls note_loaded(report, state), loads it into the model and returns state.
     raise NotImplementedError("TODO 7: save on rank 0, barrier, load with map_location")
 
 
@@ -141,15 +169,15 @@ def main(argv=None) -> None:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])  # set by torchrun
     report = {"rank": rank, "epochs": [], "events": []}
     backend, device = choose_device(local_rank, args.backend)
-    # TODO 2: join the process group with this backend, every wait bounded by TIMEOUT (with NCCL, also
-    # device_id=device).
+    # TODO 2: join the process group with this backend, every collective bounded by TIMEOUT (with NCCL, also
+    # bind it to this rank's device).
     raise NotImplementedError("TODO 2: dist.init_process_group")
     try:
         dataset = make_dataset()
-        # TODO 3: a DistributedSampler over the dataset (shuffle=True, seed=SEED), and the DataLoader that uses it.
+        # TODO 3: this rank's shard of the dataset, shuffled with SEED, and a DataLoader of BATCH_PER_RANK over it.
         raise NotImplementedError("TODO 3: DistributedSampler and DataLoader")
         model = make_model().to(device)
-        # TODO 4: wrap the model in DistributedDataParallel (device_ids=[device.index] on a GPU, None on the CPU).
+        # TODO 4: wrap the model in DistributedDataParallel (on a GPU: its device; on the CPU: no device_ids).
         raise NotImplementedError("TODO 4: DistributedDataParallel")
         train(model, loader, sampler, device, rank, report)
         describe(report, model)  # the trained model, before the checkpoint is loaded into it

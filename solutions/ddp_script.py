@@ -7,6 +7,7 @@ DDP; rank 0 prints the metrics all-reduced over the ranks and writes the checkpo
 reads back. With --report-dir each rank also writes rank<r>.json (numbers for the course's checker).
 """
 import argparse
+import atexit
 import datetime
 import json
 import os
@@ -27,6 +28,7 @@ BATCH_PER_RANK = 8  # samples per rank per step: global batch = BATCH_PER_RANK x
 LEARNING_RATE = 0.2
 EPOCHS = 3
 TIMEOUT = datetime.timedelta(seconds=60)  # every collective gives up after this instead of hanging
+FAILURE_ENV = "LABSRC_DDP_SCRIPT_FAIL"  # the checker sets it to a folder: describe() then raises (a failure run)
 
 
 # ---- given: data, model, optimizer, and the report the course's checker reads ----------------------------
@@ -65,13 +67,40 @@ def note(report: dict, event: str) -> None:
     report["events"].append([event, time.time()])
 
 
+def group_timeout_s() -> float | None:
+    """The default process group's collective timeout in seconds, read from its backend's options (a private
+    attribute: None on a torch that does not have it)."""
+    try:
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return dist.group.WORLD._get_backend(device).options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):
+        return None
+
+
+class InjectedFailure(RuntimeError):
+    """Raised on purpose by describe() in the checker's failure run."""
+
+
 def describe(report: dict, model: nn.Module) -> None:
-    """What this rank's process group, device and model are, seen from inside (call before destroying the group)."""
-    report.update(backend=dist.get_backend(), world_size=dist.get_world_size(),
-                  wrapped_in_ddp=isinstance(model, DistributedDataParallel),
+    """What this rank's process group, device and model are, seen from inside (call before destroying the group).
+
+    In the checker's failure run (FAILURE_ENV set) it then raises InjectedFailure, and the report is written
+    when the process exits: it says whether the group was destroyed by then, i.e. whether that is in a finally.
+    """
+    report.update(backend=dist.get_backend(), world_size=dist.get_world_size(), group_timeout_s=group_timeout_s(),
+                  local_rank=int(os.environ["LOCAL_RANK"]), wrapped_in_ddp=isinstance(model, DistributedDataParallel),
                   device_ids=getattr(model, "device_ids", None),
                   cuda_device=torch.cuda.current_device() if torch.cuda.is_available() else None,
                   parameter_checksum=parameter_checksum(getattr(model, "module", model).state_dict()))
+    if os.environ.get(FAILURE_ENV):
+        atexit.register(write_report, report, os.environ[FAILURE_ENV])
+        raise InjectedFailure(f"raised on purpose ({FAILURE_ENV} is set): is the group destroyed in a finally?")
+
+
+def note_loaded(report: dict, state: dict) -> None:
+    """Note what this rank's torch.load gave back: the state's checksum and the device its tensors are on."""
+    report["checkpoint_checksum"] = parameter_checksum(state)
+    report["loaded_device"] = str(next(iter(state.values())).device)
 
 
 def write_report(report: dict, folder) -> None:
@@ -119,7 +148,7 @@ def train(model, loader, sampler, device, rank: int, report: dict) -> None:
             totals[0] += loss.detach().double() * len(labels)
             totals[1] += len(labels)
         local_loss = (totals[0] / totals[1]).item()
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM, async_op=True).wait(TIMEOUT)
+        dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # bounded by the group's timeout, like every collective
         loss, samples = (totals[0] / totals[1]).item(), int(totals[1].item())
         report["epochs"].append({"epoch": epoch, "local_loss": local_loss, "loss": loss, "samples": samples})
         if rank == 0:
@@ -134,7 +163,7 @@ def checkpoint_round_trip(model, path: str, device, rank: int, report: dict) -> 
     dist.barrier()  # nobody reads before rank 0 has finished writing
     note(report, "loading")
     state = torch.load(path, map_location=device, weights_only=True)  # rank 0 saved from its device: map it to ours
-    report["checkpoint_checksum"] = parameter_checksum(state)
+    note_loaded(report, state)
     model.module.load_state_dict(state)  # e.g. to resume: the checkpoint is the model every rank goes on with
     return state
 

@@ -7,10 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from labsrc import elastic_fault_tolerance_snapshot as snapshot_file
-from labsrc.elastic_fault_tolerance_snapshot import load_checked, save_atomic
-
 from labsrc import capstone
+from labsrc import elastic_fault_tolerance_snapshot as snapshot_file
 from labsrc.capstone_training import RunSettings, train_run
 from labsrc.core.forked import run_ranks
 from labsrc.core.world import RankContext, RequestError
@@ -137,44 +135,66 @@ def test_a_write_that_fails_leaves_the_previous_snapshot(tmp_path, monkeypatch):
     assert path.read_bytes() == before
 
 
-def settings(total_steps=8):
+def settings(total_steps=8, eval_every=2, snapshot_every=4):
     return RunSettings(model="tiny_cnn", precision="fp32", channels_last=False, compile=False,
                        compile_backend="inductor",
                        schedule=capstone.Schedule(0.4, 256, 32, 2, total_steps), momentum=0.9,
-                       weight_decay=5e-4, max_norm=None, eval_every=2, snapshot_every=4, num_workers=0, seed=0)
+                       weight_decay=5e-4, max_norm=None, eval_every=eval_every, snapshot_every=snapshot_every,
+                       num_workers=0, seed=0)
 
 
-def train_on_rank(ctx, folder, stop_at, forget_momentum):
-    """Train uninterrupted, then stopped at stop_at and resumed from its snapshot; both ranks' digests."""
+def train_on_rank(ctx, folder, stop_at, forget_momentum, eval_every=2, snapshot_every=4):
+    """Train uninterrupted, then stopped at stop_at and resumed from its last snapshot (128 samples at a global
+    batch of 32: 4 steps an epoch). Returns both digests, the start steps, the accuracies, and {step: this
+    rank's batch fingerprint} of the uninterrupted run and of the resumed one."""
     train_set, held_out = capstone.offline_split(128, 32, 8, seed=0)
+    chosen = settings(eval_every=eval_every, snapshot_every=snapshot_every)
     events = []
     report = lambda kind, values: events.append((kind, values))  # noqa: E731
-    whole = train_run(ctx, settings(), train_set, held_out, None, report)
+    whole = train_run(ctx, chosen, train_set, held_out, None, report)
+    whole_batches = batches_by_step(events)
     snapshot = folder / "snapshot.pt"
-    train_run(ctx, settings(), train_set, held_out, snapshot, report, stop_after=lambda step: step >= stop_at)
+    train_run(ctx, chosen, train_set, held_out, snapshot, report, stop_after=lambda step: step >= stop_at)
     if forget_momentum and ctx.is_main:
         state = load_checked(snapshot)
         state["optimizer"]["state"] = {}
         save_atomic(state, snapshot)
     torch.distributed.barrier()
-    resumed = train_run(ctx, settings(), train_set, held_out, snapshot, report)
+    events.clear()
+    resumed = train_run(ctx, chosen, train_set, held_out, snapshot, report)
     starts = [values["resumed_from"] for kind, values in events if kind == "start"]
     accuracy = [values["accuracy"] for kind, values in events if kind == "evaluation"]
-    return whole["digest"], resumed["digest"], starts, accuracy
+    sent = {values["allreduce_bytes_per_step"] for kind, values in events if kind == "log"}
+    assert sent == {next(values["parameter_bytes"] for kind, values in events if kind == "start")}, (
+        f"DDP should all-reduce one fp32 gradient per parameter each step; counted {sent} bytes")
+    return whole["digest"], resumed["digest"], starts, accuracy, whole_batches, batches_by_step(events)
 
 
-@pytest.mark.parametrize("stop_at", [4, 6])
-def test_resumed_run_equals_the_uninterrupted_one_on_every_rank(tmp_path, stop_at):
-    results = run_ranks(train_on_rank, 2, (tmp_path, stop_at, False), timeout_s=120)
-    (whole, resumed, starts, accuracy), other = results
+def batches_by_step(events) -> dict[int, float]:
+    """{0-based step: its batch fingerprint} from a run's "log" events."""
+    return capstone.fingerprints_by_step(values for kind, values in events if kind == "log")
+
+
+@pytest.mark.parametrize("stop_at, eval_every, snapshot_every, resumed_from", [
+    (4, 2, 4, 4),  # stopped right after the step-4 snapshot: the resume starts epoch 1 at its first batch
+    (3, 1, 2, 2),  # stopped between snapshots (at 2 and 4): the resume starts mid-epoch, 2 of 4 batches done
+], ids=["epoch-boundary", "mid-epoch"])
+def test_resumed_run_equals_the_uninterrupted_one_on_every_rank(tmp_path, stop_at, eval_every, snapshot_every,
+                                                                 resumed_from):
+    results = run_ranks(train_on_rank, 2, (tmp_path, stop_at, False, eval_every, snapshot_every), timeout_s=120)
+    (whole, resumed, starts, accuracy, whole_batches, resumed_batches), other = results
+    assert starts == [resumed_from], f"the last snapshot at or before step {stop_at} is at step {resumed_from}"
+    assert sorted(resumed_batches) == list(range(resumed_from, 8)), "the resumed run trains the remaining steps"
+    replayed = [step for step in resumed_batches if resumed_batches[step] != whole_batches[step]]
+    assert not replayed, (f"the resumed run trained steps {replayed} on other batches than the uninterrupted run: "
+                          "it must skip the batches of its epoch already trained on, not replay them")
     assert whole == resumed, "resuming from the snapshot must reach the same parameters"
     assert other[:2] == (whole, resumed), "DDP keeps both ranks identical"
-    assert starts == [0, 0, 4], "the last snapshot before the stop is at step 4"
-    assert len(accuracy) == 4 + stop_at // 2 + (8 - 4) // 2 and all(0 <= a <= 1 for a in accuracy)
+    assert len(accuracy) == (8 - resumed_from) // eval_every and all(0 <= a <= 1 for a in accuracy)
 
 
 def test_a_snapshot_without_optimizer_state_resumes_elsewhere(tmp_path):
-    whole, resumed, _, _ = run_ranks(train_on_rank, 2, (tmp_path, 4, True), timeout_s=120)[0]
+    whole, resumed = run_ranks(train_on_rank, 2, (tmp_path, 4, True), timeout_s=120)[0][:2]
     assert whole != resumed, "momentum is part of the state: losing it must change the result"
 
 
@@ -214,3 +234,13 @@ def test_lab_runs_as_a_world_of_one(tmp_path, monkeypatch):
                         "--eval-every", "2"])
     assert summary["source"] == "synthetic" and summary["steps"] == 4 and len(summary["digest"]) == 64
     assert summary["precision"] == "fp32" and math.isfinite(summary["train_seconds"])
+
+
+def test_a_world_size_that_does_not_divide_the_split_counts_twice_with_distributed_sampler():
+    from labsrc import capstone_evaluation
+    scores = run_ranks(capstone_evaluation.scores_by_share, 3, (256,), timeout_s=60)[0]
+    strided, sampler = scores["strided"], scores["sampler"]
+    alone = capstone_evaluation.one_process_scores(256)
+    assert strided["count"] == 256 and strided["accuracy"] == alone["accuracy"]
+    assert strided["loss"] == pytest.approx(alone["loss"], abs=1e-5)
+    assert sampler["count"] == 258, "DistributedSampler pads 256 to 3 x 86, counting 2 samples twice"

@@ -45,3 +45,17 @@ def test_scaling_by_the_replica_batch_gives_twice_the_gradient(strategy):
     local = side.mirrored_gradients(strategy, model, inputs, labels, global_scaling=False)
     assert side.largest_difference(local, [2 * g for g in reference]) <= 2 * TOLERANCE
     assert side.largest_difference(local, reference) > 100 * TOLERANCE
+
+
+def test_one_step_through_apply_gradients_under_the_strategy_equals_the_full_batch_step(strategy):
+    import keras
+    inputs, labels = side.toy_data(seed=2)
+    with strategy.scope():
+        mirrored, mirrored_optimizer = side.make_model(seed=2), keras.optimizers.SGD(learning_rate=0.5)
+    alone, alone_optimizer = side.make_model(seed=2), keras.optimizers.SGD(learning_rate=0.5)
+    before = side.weights(alone)
+    assert side.largest_difference(side.weights(mirrored), before) == 0.0
+    side.mirrored_train_step(strategy, mirrored, mirrored_optimizer, inputs, labels)
+    side.full_batch_train_step(alone, alone_optimizer, inputs, labels)
+    assert side.largest_difference(side.weights(alone), before) > 1e-3, "the step should move the weights"
+    assert side.largest_difference(side.weights(mirrored), side.weights(alone)) <= TOLERANCE

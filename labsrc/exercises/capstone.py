@@ -19,8 +19,10 @@ def _verdict(rates: list[float], schedule: Schedule) -> str | None:
     peak, warmup = schedule.peak_lr, schedule.warmup_steps
     first = min(schedule.base_lr, peak)
     if warmup and not math.isclose(rates[0], first, rel_tol=1e-6):
-        return (f"step 0 has {rates[0]:.4g}: the warm-up starts from base_lr = {schedule.base_lr:.4g} (Goyal et al.), "
-                f"or from the peak {peak:.4g} when that is lower (a global batch below base_batch), so {first:.4g}.")
+        return (f"step 0 has {rates[0]:.4g}: this exercise's warm-up starts from base_lr = {schedule.base_lr:.4g} "
+                f"(Goyal et al.), or from the peak {peak:.4g} when that is lower (a global batch below base_batch), so "
+                f"{first:.4g}. (A ramp from 0, as Hugging Face's and torchtitan's linear warm-ups do, is another "
+                "convention, not wrong in itself; here the schedule is Goyal's.)")
     if not math.isclose(max(rates), peak, rel_tol=1e-6):
         return (f"the peak is {max(rates):.4g}, expected {peak:.4g} = base_lr x global_batch / base_batch "
                 f"(the linear scaling rule).")

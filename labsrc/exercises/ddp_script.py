@@ -10,10 +10,10 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from labsrc.core.exercises import ExerciseFailed, passed, solutions_root
-from labsrc.core.launch_result import LaunchError, LaunchTimeout
 from labsrc.core.rank_output import rank_prefix
-from labsrc.core.runs import read_errors
+from labsrc.exercises.ddp_script_runs import failure_verdict, launch_script
 
+NODES = 3  # the second run: 3 simulated nodes of one rank (a world size other than 2, RANK != LOCAL_RANK)
 LOSS_TOLERANCE = 1e-4  # |DDP - one process| per epoch: float rounding of the all-reduce, far below a changed step
 PARAMETER_TOLERANCE = 1e-4  # largest |checkpoint - one process's final weights|
 
@@ -87,51 +87,28 @@ def read_reports(folder: Path, world_size: int) -> list[dict]:
     return [json.loads((Path(folder) / f"rank{r}.json").read_text()) for r in range(world_size)]
 
 
-def launch_script(script: Path, world_size: int, backend: str, folder: Path, timeout: float):
-    """Run the script by path on world_size ranks with its report and checkpoint in `folder`; its RunResult."""
-    from labsrc import launch
-    args = ["--backend", backend, "--report-dir", str(folder), "--checkpoint", str(folder / "checkpoint.pt")]
-    try:
-        return launch.run(str(script), nproc=world_size, args=args, timeout=timeout, backend=backend, echo=False)
-    except LaunchTimeout:
-        raise ExerciseFailed(
-            f"the run did not end by itself within {timeout:g} s (its processes were ended): a rank waits in a "
-            "collective the others never join, e.g. an all_reduce or a barrier inside `if rank == 0:`. Every "
-            "rank must make the same collective calls in the same order.") from None
-    except LaunchError as error:
-        raise ExerciseFailed(failure_hint(error)) from None
-
-
-def failure_hint(error: LaunchError) -> str:
-    """What a failed run says about the script: the failing rank's error, and the usual cause of it."""
-    errors = read_errors(error.result.run_dir) if error.result is not None else {}
-    first = min(errors.values(), key=lambda e: e.get("time", 0)) if errors else None
-    hint = "the script failed; the traceback says where."
-    if first and first["type"] == "NotImplementedError":
-        hint = "your script still has a TODO that raises NotImplementedError: write that part."
-    elif first and first["type"] == "ValueError" and "device_ids" in first.get("message", ""):
-        hint = ("DDP refused device_ids: for a model on the CPU it must be None; device_ids=[local_rank] is for a "
-                "model on one GPU (device_ids=[device.index] if device.type == 'cuda' else None).")
-    elif first and first["rank"] != 0 and first["type"] in ("FileNotFoundError", "EOFError", "UnpicklingError"):
-        hint = (f"rank {first['rank']} could not read the checkpoint ({first['type']}): it read before rank 0 had "
-                "finished writing it. Put dist.barrier() between rank 0's torch.save and every rank's torch.load.")
-    return f"{hint}\n{error}"
-
-
-def run_verdict(reports: list[dict], world_size: int, backend: str, gpus: int) -> str | None:
-    """The process group, the DDP wrapping and the device of every rank, from the ranks' own reports."""
+def run_verdict(reports: list[dict], world_size: int, backend: str, gpus: int, timeout_s: float) -> str | None:
+    """The process group (size, backend, timeout), the DDP wrapping and the device of every rank, from the ranks'
+    own reports. gpus: GPUs per machine (0 on the CPU); timeout_s: the script's TIMEOUT."""
     for rank, report in enumerate(reports):
         if report.get("world_size") != world_size or report.get("backend") != backend:
             return (f"rank {rank} ran in a group of {report.get('world_size')} with {report.get('backend')}, "
                     f"expected {world_size} with {backend}: init_process_group(backend, timeout=...) with the "
                     "backend chosen for the device (--backend when given).")
+        timeout = report.get("group_timeout_s")
+        if timeout is not None and abs(timeout - timeout_s) > 1e-3:
+            return (f"rank {rank}'s process group gives up on a collective after {timeout:g} s, not TIMEOUT "
+                    f"({timeout_s:g} s): init_process_group(backend, timeout=TIMEOUT). Without it a hung collective "
+                    "waits torch's default, 30 minutes with gloo and 10 with NCCL.")
         if not report.get("group_destroyed"):
             return (f"rank {rank} never destroyed its process group: call dist.destroy_process_group() in a "
                     "`finally:` so it runs even when training fails.")
-        if gpus and (report.get("cuda_device") != rank % gpus or report.get("device_ids") != [rank % gpus]):
-            return (f"rank {rank} used GPU {report.get('cuda_device')} with device_ids {report.get('device_ids')}, "
-                    f"expected GPU {rank % gpus}: torch.cuda.set_device(LOCAL_RANK) before any CUDA work, and "
-                    "DDP(model, device_ids=[LOCAL_RANK]).")
+        local = report.get("local_rank", rank)
+        if gpus and (report.get("cuda_device") != local % gpus or report.get("device_ids") != [local % gpus]):
+            return (f"rank {rank} (LOCAL_RANK {local}) used GPU {report.get('cuda_device')} with device_ids "
+                    f"{report.get('device_ids')}, expected GPU {local % gpus}: the GPU is numbered on its machine, "
+                    "so torch.cuda.set_device(LOCAL_RANK % gpus) before any CUDA work, and "
+                    "DDP(model, device_ids=[that GPU]), not RANK (the rank over every machine).")
     checksums = [report["parameter_checksum"] for report in reports]
     unwrapped = [rank for rank, report in enumerate(reports) if not report.get("wrapped_in_ddp")]
     if unwrapped:
@@ -174,9 +151,11 @@ def epochs_verdict(reports: list[dict], course, reference: Reference, world_size
             "and let DDP average the gradients (no extra scaling of the loss).")
 
 
-def logging_verdict(output: list[str], world_size: int) -> str | None:
-    """Only rank 0 prints: the launcher tags every line a rank prints with that rank."""
-    printed = [[line for line in output if line.startswith(rank_prefix(rank))] for rank in range(world_size)]
+def logging_verdict(output: list[str], world_size: int, nnodes: int = 1) -> str | None:
+    """Only rank 0 prints: the launcher tags every line a rank prints with that rank (and its node)."""
+    per_node = world_size // nnodes
+    prefixes = [rank_prefix(rank, rank // per_node if nnodes > 1 else None) for rank in range(world_size)]
+    printed = [[line for line in output if line.startswith(prefixes[rank])] for rank in range(world_size)]
     if not printed[0]:
         return "rank 0 printed nothing: print the all-reduced loss of every epoch on rank 0."
     chatty = [rank for rank in range(1, world_size) if printed[rank]]
@@ -186,7 +165,7 @@ def logging_verdict(output: list[str], world_size: int) -> str | None:
     return None
 
 
-def checkpoint_verdict(folder: Path, reports: list[dict], reference: Reference) -> str | None:
+def checkpoint_verdict(folder: Path, reports: list[dict], reference: Reference, gpus: int = 0) -> str | None:
     """The checkpoint: written once by rank 0, read only after, loadable on the CPU, equal to the final model."""
     path = folder / "checkpoint.pt"
     if not path.is_file():
@@ -213,6 +192,16 @@ def checkpoint_verdict(folder: Path, reports: list[dict], reference: Reference) 
     if gap > PARAMETER_TOLERANCE:
         return (f"the checkpoint differs from one process's final weights by {gap:.3g}: save after the last "
                 "epoch, the trained model.")
+    for rank, report in enumerate(reports):
+        loaded, local = report.get("loaded_device"), report.get("local_rank", rank)
+        expected = f"cuda:{local % gpus}" if gpus else "cpu"
+        if loaded is None:
+            return (f"rank {rank} recorded no device for what torch.load gave back: call note_loaded(report, state) "
+                    "right after torch.load.")
+        if loaded != expected:
+            return (f"rank {rank}'s torch.load put the checkpoint on {loaded}, not on its own device {expected}: "
+                    "torch.load restores each tensor onto the device it was saved from (rank 0's GPU); pass "
+                    "map_location=device.")
     read_back = {report.get("checkpoint_checksum") for report in reports}
     if read_back != {reports[0]["parameter_checksum"]}:
         return (f"the ranks read back checksums {sorted(map(str, read_back))}, not the final model's "
@@ -220,8 +209,29 @@ def checkpoint_verdict(folder: Path, reports: list[dict], reference: Reference) 
     return None
 
 
+def run_verdicts(script: Path, world_size: int, backend: str, gpus: int, timeout: float, nnodes: int = 1):
+    """Launch the script on world_size ranks (over nnodes simulated nodes) and judge its reports; its first
+    verdict (or None) and the rank 0 report."""
+    course = course_script()
+    reference = reference_run(world_size)
+    with tempfile.TemporaryDirectory(prefix="ddp_script_") as folder:
+        result = launch_script(script, world_size, backend, Path(folder), timeout, nnodes)
+        reports = read_reports(Path(folder), world_size)
+        for verdict in (run_verdict(reports, world_size, backend, gpus, course.TIMEOUT.total_seconds()),
+                        epochs_verdict(reports, course, reference, world_size),
+                        logging_verdict(result.output, world_size, nnodes),
+                        checkpoint_verdict(Path(folder), reports, reference, gpus)):
+            if verdict:
+                return verdict, reports[0]
+    gap = max(abs(e["loss"] - b) for e, b in zip(reports[0]["epochs"], reference.epoch_losses))
+    return None, {**reports[0], "gap": gap}
+
+
 def check_ddp_script(script, world_size: int | None = None, timeout: float = 120.0) -> None:
-    """Launch `script` by path on the plan's ranks and backend and compare it with one process (see the notebook)."""
+    """Launch `script` by path three ways and compare it with one process (see the notebook): on the plan's ranks
+    and backend; on one rank with describe() raising (is the group destroyed in a finally?); and on 3 ranks as 3
+    simulated nodes of one rank each (gloo), where RANK differs from LOCAL_RANK and a world size written
+    into the script shows."""
     from labsrc.core.plan import make_plan
     plan = make_plan()
     world_size = world_size or plan.world_size
@@ -229,18 +239,24 @@ def check_ddp_script(script, world_size: int | None = None, timeout: float = 120
     script = Path(script).expanduser().resolve()
     if not script.is_file():
         raise ExerciseFailed(f"no script at {script}.")
-    course = course_script()
-    reference = reference_run(world_size)
-    with tempfile.TemporaryDirectory(prefix="ddp_script_") as folder:
-        result = launch_script(script, world_size, plan.backend, Path(folder), timeout)
-        reports = read_reports(Path(folder), world_size)
-        for verdict in (run_verdict(reports, world_size, plan.backend, gpus),
-                        epochs_verdict(reports, course, reference, world_size),
-                        logging_verdict(result.output, world_size),
-                        checkpoint_verdict(Path(folder), reports, reference)):
-            if verdict:
-                raise ExerciseFailed(verdict)
-    gap = max(abs(e["loss"] - b) for e, b in zip(reports[0]["epochs"], reference.epoch_losses))
+    verdict, first = run_verdicts(script, world_size, plan.backend, gpus, timeout)
+    if verdict:
+        raise ExerciseFailed(verdict)
+    with tempfile.TemporaryDirectory(prefix="ddp_script_failure_") as folder:  # one rank shows it, at least cost
+        verdict = failure_verdict(script, 1, plan.backend, Path(folder), timeout)
+    if verdict:
+        raise ExerciseFailed(verdict)
+    verdict, _ = run_verdicts(script, NODES, "gloo", gpus, timeout, nnodes=NODES)
+    if verdict:
+        raise ExerciseFailed(f"on {NODES} simulated nodes of one rank each (RANK 0-{NODES - 1}, LOCAL_RANK 0 on "
+                             f"each): {verdict}")
+    unjudged = ("" if gpus > 1 else " Not judged here: map_location (" +
+                ("on the CPU every load lands on the CPU" if not gpus else "one GPU: every rank's device is cuda:0")
+                + "); a machine with 2+ GPUs checks it.")
+    if first.get("group_timeout_s") is None:
+        unjudged += " Not judged: the group's timeout (this torch does not expose it to describe())."
     passed(f"{script.name} on {world_size} {plan.backend} ranks: each rank trained on its own shard, the logged loss "
-           f"equals one process on the global batch within {gap:.1e} every epoch, parameters are identical, only "
-           "rank 0 printed, and rank 0's checkpoint, read back by every rank after the barrier, is the final model")
+           f"equals one process on the global batch within {first['gap']:.1e} every epoch, parameters are "
+           "identical, only rank 0 printed, the group times out after TIMEOUT, rank 0's checkpoint, read back by "
+           "every rank after the barrier onto its own device, is the final model; with training raising, the group "
+           f"was still destroyed (finally); and the same on {NODES} simulated nodes.{unjudged}")

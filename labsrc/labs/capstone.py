@@ -111,6 +111,8 @@ class Start(Record):
     held_out: int
     """Samples in the held-out split (every evaluation must count them all)."""
     parameter_tensors: int
+    parameter_bytes: int
+    """Bytes of all parameters: what one full gradient all-reduce sends per step (fp32 gradients)."""
     momentum_buffers: int
     """Parameter tensors with an SGD momentum buffer once built: all of them after a resume, none at step 0."""
 
@@ -133,6 +135,12 @@ class TrainLog(Record):
     epoch: int
     lr: float
     max_lr: float
+    rates: list[float]
+    """The rate the optimizer used at each step of the segment, read back from it."""
+    batches: list[float]
+    """Each step's batch_fingerprint on rank 0: which samples the step trained on, comparable between runs."""
+    allreduce_bytes_per_step: float | None
+    """Gradient bytes DDP's all-reduce sent per step, counted by a comm hook (None: no DDP, or compiled)."""
     loss: float
     images_per_s: float
 
