@@ -150,8 +150,8 @@ def train(model, loader, sampler, device, rank: int, report: dict) -> None:
             totals[0] += loss.detach().double() * len(labels)
             totals[1] += len(labels)
         local_loss = (totals[0] / totals[1]).item()
-        # TODO 6: sum `totals` over the ranks, then loss = summed loss / samples (and samples, the count); record
-        # them, and print one line per epoch on rank 0 only.
+        # TODO 6: sum `totals` over the ranks, then set loss (summed loss / samples) and samples (the count), which
+        # the line below records; print one line per epoch on rank 0 only.
         raise NotImplementedError("TODO 6: all-reduce the totals, log on rank 0")
         report["epochs"].append({"epoch": epoch, "local_loss": local_loss, "loss": loss, "samples": samples})
 

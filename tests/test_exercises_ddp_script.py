@@ -95,9 +95,11 @@ TWO_REPLICAS = ("DistributedSampler(dataset, shuffle=True, seed=SEED)",
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not hasattr(torch._C._distributed_c10d.Backend, "options"),
+                    reason="this torch does not expose a backend's options, so describe() cannot read the timeout")
 def test_a_group_without_timeout_is_named(tmp_path):
-    """Shows at any world size: the group reports torch's default (1800 s with gloo), not TIMEOUT."""
-    verdict, _ = checker.run_verdicts(planted(tmp_path, NO_TIMEOUT), 2, "gloo", 0, 120.0)
+    """Shows at any world size, so on one rank: the group reports torch's default (1800 s with gloo), not TIMEOUT."""
+    verdict, _ = checker.run_verdicts(planted(tmp_path, NO_TIMEOUT), 1, "gloo", 0, 120.0)
     assert verdict and "not TIMEOUT" in verdict and "1800" in verdict
 
 

@@ -253,10 +253,13 @@ def check_ddp_script(script, world_size: int | None = None, timeout: float = 120
     unjudged = ("" if gpus > 1 else " Not judged here: map_location (" +
                 ("on the CPU every load lands on the CPU" if not gpus else "one GPU: every rank's device is cuda:0")
                 + "); a machine with 2+ GPUs checks it.")
-    if first.get("group_timeout_s") is None:
-        unjudged += " Not judged: the group's timeout (this torch does not expose it to describe())."
+    timed = first.get("group_timeout_s") is not None
+    if not timed:
+        unjudged += (" Not judged: the group's timeout (describe() could not read it: this torch's process group "
+                     "has no backend options._timeout, a private attribute).")
     passed(f"{script.name} on {world_size} {plan.backend} ranks: each rank trained on its own shard, the logged loss "
            f"equals one process on the global batch within {first['gap']:.1e} every epoch, parameters are "
-           "identical, only rank 0 printed, the group times out after TIMEOUT, rank 0's checkpoint, read back by "
-           "every rank after the barrier onto its own device, is the final model; with training raising, the group "
-           f"was still destroyed (finally); and the same on {NODES} simulated nodes.{unjudged}")
+           "identical, only rank 0 printed, " + ("the group times out after TIMEOUT, " if timed else "") +
+           "rank 0's checkpoint, read back by every rank after the barrier onto its own device, is the final model; "
+           f"with training raising, the group was still destroyed (finally); and the same on {NODES} simulated "
+           f"nodes.{unjudged}")
