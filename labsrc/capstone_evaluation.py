@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from labsrc.capstone import offline_split
-from labsrc.capstone_training import evaluate, sampler_share, strided_share
+from labsrc.capstone_training import evaluate, sampler_share
 from labsrc.core.world import RankContext
 from labsrc.training.models import build_model
 
@@ -18,9 +18,10 @@ def model_and_held_out(held_out_size: int, image_size: int = 8, seed: int = 0):
 
 def scores_by_share(ctx, held_out_size: int) -> dict[str, dict]:
     """On every rank of a process group: {"strided" | "sampler": the all-reduced scores} of the same model when
-    each rank scores its strided share, then its DistributedSampler share. Run it on forked ranks (run_ranks)."""
+    each rank scores its share as the capstone run's evaluate does (strided shares, its default), then its
+    DistributedSampler share. Run it on forked ranks (run_ranks)."""
     model, held_out = model_and_held_out(held_out_size)
-    return {"strided": evaluate(model, held_out, ctx, "fp32", share=strided_share),
+    return {"strided": evaluate(model, held_out, ctx, "fp32"),  # the share the capstone run evaluates with
             "sampler": evaluate(model, held_out, ctx, "fp32", share=sampler_share)}
 
 

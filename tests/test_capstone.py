@@ -111,6 +111,18 @@ def test_snapshot_round_trip_restores_momentum(tmp_path):
     assert not list(tmp_path.glob("*.tmp"))
 
 
+def test_snapshot_round_trip_restores_the_loss_scale(tmp_path):
+    """fp16's GradScaler comes back with its scale (the notebook trains with a disabled one, fp32 or bf16, where
+    nothing shows this): without it a resumed run starts again from 65536 and skips steps finding its scale."""
+    model, optimizer, _ = parts()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
+    capstone.save_snapshot(tmp_path / "snapshot.pt", 3, model, optimizer, scaler)
+    other, other_optimizer, _ = parts()
+    other_scaler = torch.amp.GradScaler("cpu")
+    capstone.load_snapshot(tmp_path / "snapshot.pt", other, other_optimizer, other_scaler, torch.device("cpu"))
+    assert other_scaler.get_scale() == 1024.0 and other_scaler.get_growth_interval() == 7
+
+
 def test_digests_of_parameters_and_of_buffers_tell_them_apart():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
     before = {part: capstone.state_digest(model, part) for part in ("all", "parameters", "buffers")}
