@@ -243,7 +243,7 @@ def test_without_a_pool_the_launch_environment_is_as_before(tmp_path, monkeypatc
 
 def test_a_pool_named_but_missing_is_refused_before_anything_starts(tmp_path, monkeypatch):
     monkeypatch.setenv(leases.POOL_ENV, str(tmp_path / "nowhere"))
-    with pytest.raises(launch.RequestError, match="holds no pool.*leases init"):
+    with pytest.raises(launch.RequestError, match="holds no pool.*pool_setup init"):
         launch.run("setup", nproc=2, runs_root=tmp_path / "runs")
     assert not (tmp_path / "runs").exists()
 

@@ -1,7 +1,7 @@
 """Create a class server's pool (the instructor's side of labsrc.core.leases), or show it as JSON.
 
-    python -m labsrc.core.leases init /srv/labsrc-pool --gpus 8 --gpus-per-run 2
-    python -m labsrc.core.leases init /srv/labsrc-pool --cores 32 --cores-per-run 2
+    python -m labsrc.core.pool_setup init /srv/labsrc-pool --gpus 8 --gpus-per-run 2
+    python -m labsrc.core.pool_setup init /srv/labsrc-pool --cores 32 --cores-per-run 2
     python -m labsrc.core.leases status /srv/labsrc-pool
 """
 from __future__ import annotations
