@@ -3,7 +3,7 @@
     python -m labsrc.launch --nproc 2 pipeline_parallel
     torchrun --nproc-per-node 2 -m labsrc.labs.pipeline_parallel --repeats 5
 One launch runs every experiment: the gradient checks (hand-written naive, GPipe and 1F1B; torch's GPipe, 1F1B
-and interleaved 1F1B), the timed GPipe sweep over micro-batch counts, a timed 1F1B step, saved-tensor peaks.
+and interleaved 1F1B), the timed GPipe sweep over micro-batch counts, timed 1F1B steps, saved-tensor peaks.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class Options(LabOptions):
     memory_micro_batches: int = 8
     """m for the saved-tensor peaks of GPipe and 1F1B."""
     repeats: int = 3
-    """Timed repetitions of the sweep; the least disturbed one (smallest idle fraction) is kept per m."""
+    """Timed repetitions of the sweep and of the 1F1B step; the least disturbed one (shortest span) is kept per m."""
     box_ms: float = 40.0
     """Each timed F and B lasts at least this long (compute, then a wait): equal boxes, as the formula assumes."""
     width: int = 256
@@ -111,9 +111,11 @@ PROGRESS_UNIT = "pipeline steps"  # each gradient check, memory measure and time
 
 
 def timed_runs(options: Options) -> list[tuple[str, int, int]]:
-    """(schedule, m, repeat) of each timed step: GPipe at every m, `repeats` times over, then one 1F1B."""
-    runs = [("gpipe", m, repeat) for repeat in range(options.repeats) for m in options.micro_batches]
-    return runs + [("1f1b", options.check_micro_batches, 0)]
+    """(schedule, m, repeat) of each timed step: GPipe at every m then 1F1B at check_micro_batches, `repeats`
+    times over (interleaved, so a burst of load elsewhere does not land on one schedule only)."""
+    return [run for repeat in range(options.repeats)
+            for run in [("gpipe", m, repeat) for m in options.micro_batches]
+            + [("1f1b", options.check_micro_batches, repeat)]]
 
 
 def step_count(options: Options) -> int:
