@@ -142,6 +142,11 @@ def test_torch_tensor_parallel_matches_handwritten_and_dense():
         assert handwritten["output_vs_dense"] < 1e-5
         assert handwritten["weight_shapes"]["fc1.weight"] == [2 * HIDDEN, HIDDEN]  # 4*hidden rows over 2 ranks
         assert sequence["output_error"] < 1e-5
+        assert sequence["input_grad_error"] < 1e-5
+        assert sequence["partial_gradients"] == ["norm.bias", "norm.weight"]   # the sequence-sharded norm's
+        assert set(sequence["grad_errors"]) == {"norm.weight", "norm.bias", "mlp.fc1.weight", "mlp.fc1.bias",
+                                                "mlp.fc2.weight", "mlp.fc2.bias"}
+        assert max(sequence["grad_errors"].values()) < 1e-5 * max(1, sequence["gradient_scale"])
         assert sequence["local_shape"] == [BATCH, SEQ // 2, HIDDEN]
 
 
