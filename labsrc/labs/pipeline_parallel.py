@@ -2,8 +2,9 @@
 
     python -m labsrc.launch --nproc 2 pipeline_parallel
     torchrun --nproc-per-node 2 -m labsrc.labs.pipeline_parallel --repeats 5
-One launch runs every experiment: the gradient checks (hand-written naive, GPipe and 1F1B; torch's GPipe, 1F1B
-and interleaved 1F1B), the timed GPipe sweep over micro-batch counts, timed 1F1B steps, saved-tensor peaks.
+One launch runs every experiment: the gradient checks (hand-written naive, GPipe, 1F1B, interleaved 1F1B and zero
+bubble; torch's GPipe, 1F1B, interleaved 1F1B and two zero-bubble schedules), the timed GPipe sweep over
+micro-batch counts, timed 1F1B, interleaved and zero-bubble steps, saved-tensor peaks.
 """
 from __future__ import annotations
 
@@ -87,6 +88,28 @@ class ActionTiming(Record):
     micro_batch: int
     start: float
     end: float
+    virtual_stage: int = -1
+    """The model chunk (virtual stage) the action ran on, for interleaved and zero-bubble steps; -1: the rank's one stage."""
+
+
+@dataclass
+class StepMessages(Record):
+    """Point-to-point messages one rank sent in one timed step of a chunked schedule (counted by the executor)."""
+
+    KIND: ClassVar[str] = "step_messages"
+    schedule: str
+    micro_batches: int
+    stage: int
+    sends: int
+
+
+@dataclass
+class ScheduleProblem(Record):
+    """A schedule's action lists that cannot run (the ranks would wait on each other forever): not run, named."""
+
+    KIND: ClassVar[str] = "schedule_problem"
+    schedule: str
+    problem: str
 
 
 @dataclass
@@ -115,12 +138,13 @@ def timed_runs(options: Options) -> list[tuple[str, int, int]]:
     times over (interleaved, so a burst of load elsewhere does not land on one schedule only)."""
     return [run for repeat in range(options.repeats)
             for run in [("gpipe", m, repeat) for m in options.micro_batches]
-            + [("1f1b", options.check_micro_batches, repeat)]]
+            + [(name, options.check_micro_batches, repeat) for name in ("1f1b",) + experiments.CHUNKED_SCHEDULES]]
 
 
 def step_count(options: Options) -> int:
     """How many pipeline steps the lab runs: the bar's total."""
-    return len(schedules.SCHEDULES) + len(LIBRARY_SCHEDULES) + 2 + 1 + len(timed_runs(options))
+    return (len(schedules.SCHEDULES) + len(experiments.CHUNKED_SCHEDULES) + len(LIBRARY_SCHEDULES) + 2 + 1
+            + len(timed_runs(options)))
 
 
 def check_gradients(ctx, records, options: Options, tick) -> None:
@@ -129,6 +153,14 @@ def check_gradients(ctx, records, options: Options, tick) -> None:
         report = experiments.hand_written_check(ctx, schedule, m, batch=batch, timeout_s=options.pg_timeout_s)
         used = schedules.effective_micro_batches(schedule, m)
         records.write(GradientCheck(implementation="hand-written", schedule=schedule, micro_batches=used, **report))
+        tick()
+    for schedule in experiments.CHUNKED_SCHEDULES:
+        try:
+            report = experiments.chunked_check(ctx, schedule, m, batch=batch, timeout_s=options.pg_timeout_s)
+        except ValueError as cannot_run:   # every rank builds every list, so all ranks skip it together
+            records.write(ScheduleProblem(schedule, str(cannot_run)))
+        else:
+            records.write(GradientCheck(implementation="hand-written", schedule=schedule, micro_batches=m, **report))
         tick()
     for schedule in LIBRARY_SCHEDULES:
         report = experiments.library_check(ctx, schedule, m, batch=batch)
@@ -144,7 +176,18 @@ def time_schedules(ctx, records, options: Options, tick) -> None:
     experiments.timed_schedule(ctx, "gpipe", 2, **sizes)   # warm-up, not recorded
     tick()
     for schedule, m, repeat in timed_runs(options):
-        for event in experiments.timed_schedule(ctx, schedule, m, **sizes):
+        if schedule in experiments.CHUNKED_SCHEDULES:
+            try:
+                run = experiments.timed_chunked(ctx, schedule, m, **sizes)
+            except ValueError:   # named once, by check_gradients
+                tick()
+                continue
+            events = run["timeline"]
+            if repeat == 0:
+                records.write(StepMessages(schedule, m, ctx.rank, run["sends"]))
+        else:
+            events = experiments.timed_schedule(ctx, schedule, m, **sizes)
+        for event in events:
             records.write(ActionTiming(schedule=schedule, micro_batches=m, repeat=repeat, stage=ctx.rank, **event))
         tick()
 
