@@ -87,7 +87,13 @@ def _need(kind: str, j: int, virtual_stage: int, virtual_stages: int):
 
 def simulate(lists: list[list[ChunkAction]], virtual_stages: int, box: dict[str, float]) -> list[list[dict]]:
     """The ideal timeline per rank (messages free, each kind of box its length in `box`); raises ValueError
-    naming the stuck actions when the lists wait on each other forever (an order that cannot run)."""
+    naming a W listed before its own B, or the stuck actions when the lists wait on each other forever (an order
+    that cannot run)."""
+    for r, actions in enumerate(lists):
+        for kind, j, virtual_stage in actions:
+            if kind == "W" and actions.index(("W", j, virtual_stage)) < actions.index(("B", j, virtual_stage)):
+                raise ValueError(f"rank {r} runs W of micro-batch {j} on virtual stage {virtual_stage} before its B: "
+                                 "W runs after B, once the input gradient has been sent upstream")
     done: dict[tuple, float] = {}
     position, free_at = [0] * len(lists), [0.0] * len(lists)
     timeline: list[list[dict]] = [[] for _ in lists]
