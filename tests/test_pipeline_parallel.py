@@ -177,13 +177,15 @@ def test_lab_launch_records_every_experiment():
                if not (c.schedule.endswith("zero_bubble") and c.implementation != "hand-written"))
     assert {(m.schedule, m.stage) for m in result.of(lab.StepMessages)} == {
         (s, r) for s in ("interleaved_1f1b", "zero_bubble") for r in (0, 1)}
-    assert not result.of(lab.ScheduleProblem)
+    assert not result.of(lab.ScheduleProblem) and not result.of(lab.Skipped)
+    peaks = result.of(lab.ChunkedMemoryPeak)
+    assert len(peaks) == 4 and all(p.peak_bytes == p.expected_bytes > 0 for p in peaks)
     sweep = analysis.bubble_sweep(result.of(lab.ActionTiming))
     assert sorted(sweep) == [1, 2]
     assert analysis.timeline_of(result.of(lab.ActionTiming), "1f1b", 4)[0][0]["action"] == "F"
     assert {(p.schedule, p.stage) for p in result.of(lab.MemoryPeak)} == {(s, r) for s in ("gpipe", "1f1b") for r in (0, 1)}
     progress = result.of_kind("progress", rank=0)
-    total = lab.step_count(lab.Options.make(micro_batches=(1, 2), repeats=1))
+    total = lab.step_count(lab.Options.make(micro_batches=(1, 2), repeats=1, memory_micro_batches=4))
     assert [p["step"] for p in progress] == list(range(total + 1)), "the bar should move once per pipeline step"
     assert {p["unit"] for p in progress} == {lab.PROGRESS_UNIT} and progress[1]["t"] < progress[-1]["t"] / 2, \
         "the first step's report should come early, not with the last"
@@ -223,3 +225,8 @@ def test_w_before_its_b_still_gives_gradients_but_is_named_on_the_timeline():
     timeline = [[{"action": "W", "micro_batch": 0, "virtual_stage": 0, "start": 0.0, "end": 1.0},
                  {"action": "B", "micro_batch": 0, "virtual_stage": 0, "start": 1.0, "end": 2.0}]]
     assert chunked.w_before_b(timeline) == ["W of micro-batch 0 on virtual stage 0 started before its B ended"]
+
+
+def test_interleaved_needs_m_a_multiple_of_p():
+    assert lab.runnable("interleaved_1f1b", 3, 4) and lab.runnable("interleaved_1f1b", 2, 4) is None
+    assert lab.runnable("zero_bubble", 3, 4) is None

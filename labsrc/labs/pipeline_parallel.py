@@ -113,6 +113,28 @@ class ScheduleProblem(Record):
 
 
 @dataclass
+class Skipped(Record):
+    """A schedule this launch could not run at its sizes, and why (interleaved 1F1B needs m a multiple of p)."""
+
+    KIND: ClassVar[str] = "skipped"
+    schedule: str
+    reason: str
+
+
+@dataclass
+class ChunkedMemoryPeak(Record):
+    """Peak activation bytes one rank kept in a step of a chunked schedule, measured and replayed from its list."""
+
+    KIND: ClassVar[str] = "chunked_memory_peak"
+    schedule: str
+    micro_batches: int
+    stage: int
+    peak_bytes: int
+    expected_bytes: int
+    """The list replayed with each chunk's one-micro-batch bytes kept from F until B (or W when split)."""
+
+
+@dataclass
 class MemoryPeak(Record):
     """Peak bytes of activations saved for backward on one stage during one step."""
 
@@ -143,8 +165,15 @@ def timed_runs(options: Options) -> list[tuple[str, int, int]]:
 
 def step_count(options: Options) -> int:
     """How many pipeline steps the lab runs: the bar's total."""
-    return (len(schedules.SCHEDULES) + len(experiments.CHUNKED_SCHEDULES) + len(LIBRARY_SCHEDULES) + 2 + 1
+    return (len(schedules.SCHEDULES) + 2 * len(experiments.CHUNKED_SCHEDULES) + len(LIBRARY_SCHEDULES) + 2 + 1
             + len(timed_runs(options)))
+
+
+def runnable(schedule: str, ranks: int, micro_batches: int) -> str | None:
+    """Why a hand-written chunked schedule cannot run at these sizes (None: it can)."""
+    if schedule == "interleaved_1f1b" and micro_batches % ranks:
+        return f"interleaved 1F1B runs micro-batches in groups of p = {ranks}; m = {micro_batches} is not a multiple"
+    return None
 
 
 def check_gradients(ctx, records, options: Options, tick) -> None:
@@ -155,6 +184,10 @@ def check_gradients(ctx, records, options: Options, tick) -> None:
         records.write(GradientCheck(implementation="hand-written", schedule=schedule, micro_batches=used, **report))
         tick()
     for schedule in experiments.CHUNKED_SCHEDULES:
+        if runnable(schedule, ctx.world_size, m):
+            records.write(Skipped(schedule, runnable(schedule, ctx.world_size, m)))
+            tick()
+            continue
         try:
             report = experiments.chunked_check(ctx, schedule, m, batch=batch, timeout_s=options.pg_timeout_s)
         except ValueError as cannot_run:   # every rank builds every list, so all ranks skip it together
@@ -177,6 +210,9 @@ def time_schedules(ctx, records, options: Options, tick) -> None:
     tick()
     for schedule, m, repeat in timed_runs(options):
         if schedule in experiments.CHUNKED_SCHEDULES:
+            if runnable(schedule, ctx.world_size, m):
+                tick()
+                continue
             try:
                 run = experiments.timed_chunked(ctx, schedule, m, **sizes)
             except ValueError:   # named once, by check_gradients
@@ -198,6 +234,16 @@ def measure_memory(ctx, records, options: Options, tick) -> None:
                                              timeout_s=options.pg_timeout_s)
         records.write(MemoryPeak(schedule=schedule, micro_batches=options.memory_micro_batches, stage=ctx.rank,
                                  stages=ctx.world_size, **peak))
+        tick()
+    for schedule in experiments.CHUNKED_SCHEDULES:
+        try:
+            if not runnable(schedule, ctx.world_size, options.memory_micro_batches):
+                peak = experiments.chunked_saved_tensor_peak(ctx, schedule, options.memory_micro_batches,
+                                                             timeout_s=options.pg_timeout_s)
+                records.write(ChunkedMemoryPeak(schedule, options.memory_micro_batches, ctx.rank, peak["peak_bytes"],
+                                                peak["expected_bytes"]))
+        except ValueError:   # lists that cannot run: named once, by check_gradients
+            pass
         tick()
 
 

@@ -179,3 +179,17 @@ def bubble_formula(schedule: str, ranks: int, micro_batches: int) -> float:
     if schedule == "interleaved_1f1b":
         return interleaved_bubble(ranks, 2, micro_batches)
     return zero_bubble_bubble(ranks, micro_batches)
+
+
+def kept_bytes_peak(actions: list[ChunkAction], chunk_bytes: dict[int, int]) -> int:
+    """The most activation bytes one rank's list keeps at once, if each (micro-batch, chunk) keeps
+    chunk_bytes[virtual stage] from its F until its backward (its W when the backward is split)."""
+    split = any(kind == "W" for kind, _, _ in actions)
+    alive = peak = 0
+    for kind, _, virtual_stage in actions:
+        if kind == "F":
+            alive += chunk_bytes[virtual_stage]
+        elif kind == ("W" if split else "B"):
+            alive -= chunk_bytes[virtual_stage]
+        peak = max(peak, alive)
+    return peak

@@ -4,6 +4,7 @@ whenever the list says). The one-stage executor (executor.run_stage) is the case
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from datetime import timedelta
 
 import torch
@@ -21,14 +22,21 @@ def message_tag(virtual_stage: int, j: int, micro_batches: int, gradient: bool) 
 
 
 def run_chunks(modules: dict[int, nn.Module], actions: list, ranks: int, virtual_stages: int, inputs: torch.Tensor,
-               targets: torch.Tensor, micro_batches: int, timeout_s: float = 60.0, box_s: float = 0.0) -> dict:
+               targets: torch.Tensor, micro_batches: int, timeout_s: float = 60.0, box_s: float = 0.0,
+               meter=None) -> dict:
     """Run this rank's actions in order; gradients accumulate in each chunk's module. Returns {"timeline", "sends"}.
 
     modules: {virtual stage: its module} for the chunks this rank holds (virtual stage vs lives on rank vs % p).
     "B" with a "W" of the same micro-batch in the list computes only the input gradient (kept graph, so W can
     compute the weight gradients later); "B" alone is the whole backward. box_s: every action lasts at least
     box_s (see executor.run_stage). Timeline entries: {"action", "micro_batch", "virtual_stage", "start", "end"}.
+    meter: an executor.SavedTensorMeter counting the activations autograd keeps, if given.
     """
+    with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack) if meter else nullcontext():
+        return _run(modules, actions, ranks, virtual_stages, inputs, targets, micro_batches, timeout_s, box_s)
+
+
+def _run(modules, actions, ranks, virtual_stages, inputs, targets, micro_batches, timeout_s, box_s) -> dict:
     device, timeout = inputs.device, timedelta(seconds=timeout_s)
     micro_inputs, micro_targets = inputs.chunk(micro_batches), targets.chunk(micro_batches)
     split = {(j, vs) for kind, j, vs in actions if kind == "W"}

@@ -174,3 +174,29 @@ def timed_chunked(ctx, schedule: str, micro_batches: int, width: int, blocks_per
     inputs, targets = make_batch(micro_batch_size * micro_batches, width, 0, ctx.device)
     dist.barrier()
     return _chunked_run(ctx, schedule, micro_batches, model, inputs, targets, timeout_s, box_s)[1]
+
+
+def chunked_saved_tensor_peak(ctx, schedule: str, micro_batches: int, width: int = 64, micro_batch_size: int = 8,
+                              timeout_s: float = 30.0) -> dict:
+    """Peak activation bytes this rank kept during one step of a chunked schedule (saved_tensor_peak's model,
+    cut into chunks), and what one micro-batch's forward keeps on each of its chunks."""
+    import torch.nn as nn
+    model = make_model(width, 2 * ctx.world_size, seed=0)
+    lists, virtual_stages = chunked_lists(schedule, ctx.world_size, micro_batches)
+    parts = split_model(model, virtual_stages, ctx.device)
+    held = {vs: parts[vs][1] for vs in range(ctx.rank, virtual_stages, ctx.world_size)}
+    inputs, targets = make_batch(micro_batch_size * micro_batches, width, 0, ctx.device)
+    chunk_bytes = {}
+    for vs, module in held.items():
+        one = SavedTensorMeter(module)
+        with torch.autograd.graph.saved_tensors_hooks(one.pack, one.unpack):
+            outputs = module(inputs[:micro_batch_size].clone().requires_grad_())   # a received input needs grad
+            if vs == virtual_stages - 1:
+                full_batch_loss(outputs, targets[:micro_batch_size])
+            del outputs
+        chunk_bytes[vs] = one.peak
+    meter = SavedTensorMeter(nn.ModuleList(held.values()))
+    run_chunks(held, lists[ctx.rank], ctx.world_size, virtual_stages, inputs, targets, micro_batches, timeout_s,
+               meter=meter)
+    return {"peak_bytes": meter.peak, "chunk_bytes": {str(vs): b for vs, b in chunk_bytes.items()},
+            "expected_bytes": chunked.kept_bytes_peak(lists[ctx.rank], chunk_bytes)}
