@@ -183,6 +183,7 @@ def chunked_saved_tensor_peak(ctx, schedule: str, micro_batches: int, width: int
     import torch.nn as nn
     model = make_model(width, 2 * ctx.world_size, seed=0)
     lists, virtual_stages = chunked_lists(schedule, ctx.world_size, micro_batches)
+    chunked.simulate(lists, virtual_stages, {"F": 1, "B": 1, "W": 1})   # raises, naming the stuck actions, not hangs
     parts = split_model(model, virtual_stages, ctx.device)
     held = {vs: parts[vs][1] for vs in range(ctx.rank, virtual_stages, ctx.world_size)}
     inputs, targets = make_batch(micro_batch_size * micro_batches, width, 0, ctx.device)
