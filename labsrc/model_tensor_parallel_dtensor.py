@@ -75,22 +75,60 @@ class NormMLP(nn.Module):
         return self.mlp(self.norm(x))
 
 
+def finish_partial_gradients(module: nn.Module) -> dict:
+    """{name: this rank's finished gradient} for a parallelized module: a gradient DTensor still Partial(sum) is
+    all-reduced over its mesh axis first (redistribute to Replicate).
+
+    Under sequence parallelism each rank's LayerNorm sees only its slice of the sequence, so its weight and bias
+    gradients are partial sums: torch keeps them as Partial(sum) DTensors, and `.to_local()` of one reads this
+    rank's share only. Megatron all-reduces the norm gradients over the tensor-parallel group for the same reason.
+    """
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+    finished = {}
+    for name, parameter in module.named_parameters():
+        grad = parameter.grad
+        if isinstance(grad, DTensor) and any(isinstance(p, Partial) for p in grad.placements):
+            grad = grad.redistribute(grad.device_mesh, [Replicate()] * grad.device_mesh.ndim)   # the all-reduce
+        finished[name] = plain(grad)
+    return finished
+
+
 def compare_sequence_parallel(dense: tp.DenseMLP, x: torch.Tensor, rank: int, world_size: int) -> dict:
     """SequenceParallel LayerNorm on this rank's slice of the sequence, all-gather into ColwiseParallel fc1,
-    reduce-scatter out of RowwiseParallel fc2: output (batch, seq/n, hidden) vs the dense block's same slice."""
-    from torch.distributed.tensor import Shard
+    reduce-scatter out of RowwiseParallel fc2, against the dense block: the output slice (batch, seq/n, hidden),
+    the input gradient's slice and every parameter's gradient (norm weight and bias included), each cut like its
+    placement. The norm's weight and bias are not all ones and zeros, so their gradients are not trivial."""
+    from torch.distributed.tensor import Partial, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
                                                    parallelize_module)
     mesh = mesh_of(x.device, (world_size,), ("tensor",))
     block = NormMLP(dense, x.shape[-1]).to(x.device)
+    with torch.no_grad():
+        block.norm.weight.copy_(torch.linspace(0.5, 1.5, x.shape[-1]))
+        block.norm.bias.copy_(torch.linspace(-0.2, 0.2, x.shape[-1]))
     reference = copy.deepcopy(block)
     plan = {"norm": SequenceParallel(), "mlp.fc1": ColwiseParallel(input_layouts=Shard(1)),
             "mlp.fc2": RowwiseParallel(output_layouts=Shard(1))}
     parallel = parallelize_module(block, mesh, plan)
-    local_x = x.chunk(world_size, dim=1)[rank]
-    output = plain(parallel(local_x))
-    expected = reference(x).detach().chunk(world_size, dim=1)[rank]
-    return {"output_error": tp.max_error([(output, expected)]), "local_shape": list(output.shape)}
+    probe = torch.linspace(-1, 1, x.numel(), device=x.device).view_as(x)
+    local_x = x.chunk(world_size, dim=1)[rank].clone().requires_grad_()
+    output = parallel(local_x)
+    (output * probe.chunk(world_size, dim=1)[rank]).sum().backward()
+    partial = sorted(name for name, p in parallel.named_parameters()
+                     if any(isinstance(placement, Partial) for placement in p.grad.placements))
+    gradients = finish_partial_gradients(parallel)
+    whole_x = x.clone().requires_grad_()
+    expected = reference(whole_x)
+    (expected * probe).sum().backward()
+    errors = {}
+    for name, parameter in parallel.named_parameters():
+        placement, whole = parameter.placements[0], dict(reference.named_parameters())[name].grad
+        cut = whole.chunk(world_size, dim=placement.dim)[rank] if isinstance(placement, Shard) else whole
+        errors[name] = tp.max_error([(gradients[name], cut)])
+    return {"output_error": tp.max_error([(plain(output), expected.detach().chunk(world_size, dim=1)[rank])]),
+            "input_grad_error": tp.max_error([(local_x.grad, whole_x.grad.chunk(world_size, dim=1)[rank])]),
+            "grad_errors": errors, "partial_gradients": partial, "local_shape": list(plain(output).shape),
+            "gradient_scale": max(float(p.grad.abs().max()) for p in reference.parameters())}
 
 
 def compare_two_dimensional(dense: tp.DenseMLP, x: torch.Tensor, rank: int, world_size: int) -> dict:

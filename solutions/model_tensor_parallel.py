@@ -1,6 +1,7 @@
-"""Reference solutions of notebook 07's exercises (the column shard of a weight; the row-parallel forward)."""
+"""Reference solutions of notebook 07's exercises (the column shard of a weight; the row-parallel layer)."""
 import datetime
 
+import torch
 import torch.distributed as dist
 
 
@@ -9,8 +10,20 @@ def column_shard(weight, rank, world_size):
     return weight.chunk(world_size, dim=0)[rank].clone()
 
 
+class SumOverRanks(torch.autograd.Function):
+    """Megatron's g: all-reduce forward; identity backward (every rank already holds the output's whole gradient)."""
+
+    @staticmethod
+    def forward(context, partial):
+        total = partial.clone()
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, async_op=True).wait(datetime.timedelta(seconds=30))
+        return total
+
+    @staticmethod
+    def backward(context, grad):
+        return grad
+
+
 def row_parallel_forward(x_slice, weight_shard, bias):
     """x_slice (..., in/n), weight_shard (out, in/n), bias (out,) -> (..., out): partial products summed, bias once."""
-    partial = x_slice @ weight_shard.T
-    dist.all_reduce(partial, op=dist.ReduceOp.SUM, async_op=True).wait(datetime.timedelta(seconds=30))
-    return partial + bias
+    return SumOverRanks.apply(x_slice @ weight_shard.T) + bias

@@ -36,7 +36,16 @@ def _warmup_by_stage(stage, stages, m):
     return actions + [("B", j) for j in range(m - warmup, m)]
 
 
+def _uncapped_warmup(stage, stages, m):
+    warmup = stages - 1 - stage   # the stub's hint without min(..., m): wrong once m < p - 1
+    actions = [("F", j) for j in range(warmup)]
+    for j in range(warmup, m):
+        actions += [("F", j), ("B", j - warmup)]
+    return actions + [("B", j) for j in range(max(m - warmup, 0), m)]
+
+
 @pytest.mark.parametrize("wrong,message", [
+    (_uncapped_warmup, "p=4, m=2: stage 0 names micro-batch(es) [2], outside 0..1; with m < p - 1"),
     (schedules.gpipe_actions, "stage 0 keeps 4 micro-batches alive"),
     (_backward_first, "micro-batch 2's backward comes before its forward on stage 1"),
     (_skips_last, "stage 0 never runs F of micro-batch 0"),

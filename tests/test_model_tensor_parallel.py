@@ -6,6 +6,7 @@ from labsrc import model_tensor_parallel as tp
 from labsrc import model_tensor_parallel_cost as cost
 from labsrc import model_tensor_parallel_dtensor as library
 from labsrc import model_tensor_parallel_naive as naive
+from labsrc import model_tensor_parallel_vocab as vocab
 from labsrc.core.forked import RankError, run_ranks
 from labsrc.core.world import RequestError
 from labsrc.labs.model_tensor_parallel import Options
@@ -142,6 +143,11 @@ def test_torch_tensor_parallel_matches_handwritten_and_dense():
         assert handwritten["output_vs_dense"] < 1e-5
         assert handwritten["weight_shapes"]["fc1.weight"] == [2 * HIDDEN, HIDDEN]  # 4*hidden rows over 2 ranks
         assert sequence["output_error"] < 1e-5
+        assert sequence["input_grad_error"] < 1e-5
+        assert sequence["partial_gradients"] == ["norm.bias", "norm.weight"]   # the sequence-sharded norm's
+        assert set(sequence["grad_errors"]) == {"norm.weight", "norm.bias", "mlp.fc1.weight", "mlp.fc1.bias",
+                                                "mlp.fc2.weight", "mlp.fc2.bias"}
+        assert max(sequence["grad_errors"].values()) < 1e-5 * max(1, sequence["gradient_scale"])
         assert sequence["local_shape"] == [BATCH, SEQ // 2, HIDDEN]
 
 
@@ -180,3 +186,21 @@ def test_options_refuse_bad_values():
 def test_heads_that_do_not_split_are_refused():
     with pytest.raises(RankError, match="do not split"):
         run_ranks(lambda ctx: tp.TensorParallelAttention(tp.DenseAttention(12, 3), ctx.rank, 2, tp.Traffic()), 2)
+
+
+def test_vocab_parallel_loss_equals_dense_from_collectives_and_loss_parallel():
+    for rank_result in vocab.vocab_on_forked_ranks(vocab=256, hidden=16, batch=2, seq=8, world_size=2):
+        mine, library_version = rank_result["collectives"], rank_result["loss_parallel"]
+        assert not mine["naive_exp_finite"]   # the logits overflow exp() without the max subtracted
+        for result in (mine, library_version):
+            assert result["loss_error"] < 1e-5 * max(1, mine["dense_loss"])
+            assert result["embedding_grad_error"] < 1e-5 and result["head_grad_error"] < 1e-5
+        assert (mine["loss_calls"], mine["loss_bytes"]) == (3, 3 * 2 * 8 * 4)   # max, sum of exp, target logit
+        assert mine["local_logits_bytes"] * 2 == mine["gathered_logits_bytes"] == 2 * 8 * 256 * 4
+        assert library_version["local_logits_shape"] == [2, 8, 128]
+
+
+def test_gelu_needs_no_communication_after_a_column_split_but_does_after_a_row_split():
+    errors = vocab.nonlinearity_between_splits(tp.make_dense("mlp", 32, 4, "cpu", 0), tp.make_input(2, 4, 32, "cpu", 1), 2)
+    assert errors["column_error"] < 1e-6 and errors["row_with_all_reduce_error"] < 1e-5
+    assert errors["row_without_all_reduce_error"] > 0.05 * errors["scale"]

@@ -5,10 +5,10 @@ import torch
 from labsrc.core.forked import RankError, run_ranks
 from labsrc.core.world import RequestError
 from labsrc.labs import pipeline_parallel as lab
-from labsrc.pipeline_parallel import analysis, experiments, schedules
+from labsrc.pipeline_parallel import analysis, chunked, experiments, schedules
 from labsrc.pipeline_parallel import stages as stages_module
 from labsrc.pipeline_parallel.executor import run_stage
-from labsrc.pipeline_parallel.library import run_library_schedule
+from labsrc.pipeline_parallel.library import LIBRARY_SCHEDULES, TWO_STAGES_A_RANK, run_library_schedule
 from labsrc.pipeline_parallel.stages import (assert_part_matches, make_batch, make_model, split_model,
                                              unsplit_gradients)
 
@@ -34,7 +34,7 @@ def test_hand_written_schedule_gradients_equal_unsplit(schedule, stages, micro_b
 
 
 def _library_matches(ctx, schedule, micro_batches):
-    stages = 2 * ctx.world_size if schedule == "interleaved_1f1b" else ctx.world_size
+    stages = 2 * ctx.world_size if schedule in TWO_STAGES_A_RANK else ctx.world_size
     model = make_model(8, 2 * ctx.world_size, seed=5)
     inputs, targets = make_batch(8, 8, seed=5)
     reference = unsplit_gradients(model, inputs, targets)
@@ -45,11 +45,13 @@ def _library_matches(ctx, schedule, micro_batches):
     return [list(blocks) for blocks, _ in held]
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+@pytest.mark.parametrize("schedule", LIBRARY_SCHEDULES)
 def test_torch_pipelining_gradients_equal_unsplit(schedule):
     held = run_ranks(_library_matches, 2, args=(schedule, 4))
-    expected = [[[0], [2]], [[1], [3]]] if schedule == "interleaved_1f1b" else [[[0, 1]], [[2, 3]]]
-    assert held == expected   # round-robin: rank r holds stages r and r + p
+    expected = {"interleaved_1f1b": [[[0], [2]], [[1], [3]]],   # round-robin: rank r holds stages r and r + p
+                "interleaved_zero_bubble": [[[0], [2]], [[1], [3]]],
+                "zbv_zero_bubble": [[[0], [3]], [[1], [2]]]}     # a V: rank r holds stages r and 2p - 1 - r
+    assert held == expected.get(schedule, [[[0, 1]], [[2, 3]]])
 
 
 def test_hand_written_and_torch_agree():
@@ -169,14 +171,62 @@ def test_lab_launch_records_every_experiment():
     result = launch.run("pipeline_parallel", nproc=2, timeout=240, echo=False, micro_batches=(1, 2), repeats=1,
                         box_ms=5, memory_micro_batches=4)
     checks = result.of(lab.GradientCheck)
-    assert len(checks) == 2 * 6 and max(c.max_error for c in checks) < 1e-6
-    assert all(set(c.backwards) == {c.micro_batches} for c in checks)
+    assert len(checks) == 2 * 10 and max(c.max_error for c in checks) < 1e-6
+    # torch's zero-bubble schedules write weight gradients outside the accumulation hook that counts backwards
+    assert all(set(c.backwards) == {c.micro_batches} for c in checks
+               if not (c.schedule.endswith("zero_bubble") and c.implementation != "hand-written"))
+    assert {(m.schedule, m.stage) for m in result.of(lab.StepMessages)} == {
+        (s, r) for s in ("interleaved_1f1b", "zero_bubble") for r in (0, 1)}
+    assert not result.of(lab.ScheduleProblem) and not result.of(lab.Skipped)
+    peaks = result.of(lab.ChunkedMemoryPeak)
+    assert len(peaks) == 4 and all(p.peak_bytes == p.expected_bytes > 0 for p in peaks)
     sweep = analysis.bubble_sweep(result.of(lab.ActionTiming))
     assert sorted(sweep) == [1, 2]
     assert analysis.timeline_of(result.of(lab.ActionTiming), "1f1b", 4)[0][0]["action"] == "F"
     assert {(p.schedule, p.stage) for p in result.of(lab.MemoryPeak)} == {(s, r) for s in ("gpipe", "1f1b") for r in (0, 1)}
     progress = result.of_kind("progress", rank=0)
-    total = lab.step_count(lab.Options.make(micro_batches=(1, 2), repeats=1))
+    total = lab.step_count(lab.Options.make(micro_batches=(1, 2), repeats=1, memory_micro_batches=4))
     assert [p["step"] for p in progress] == list(range(total + 1)), "the bar should move once per pipeline step"
     assert {p["unit"] for p in progress} == {lab.PROGRESS_UNIT} and progress[1]["t"] < progress[-1]["t"] / 2, \
         "the first step's report should come early, not with the last"
+
+
+@pytest.mark.parametrize("ranks,chunks,micro_batches", [(2, 2, 4), (4, 2, 8), (2, 3, 4)])
+def test_ideal_interleaved_bubble_is_its_formula(ranks, chunks, micro_batches):
+    lists = [chunked.interleaved_actions(r, ranks, chunks, micro_batches) for r in range(ranks)]
+    timeline = chunked.simulate(lists, chunks * ranks, {"F": 1 / chunks, "B": 1 / chunks})
+    assert sum(schedules.idle_fractions(timeline)) / ranks == pytest.approx(
+        chunked.interleaved_bubble(ranks, chunks, micro_batches))
+
+
+@pytest.mark.parametrize("stages,micro_batches", [(2, 4), (4, 8), (3, 3)])
+def test_ideal_zero_bubble_is_its_formula_and_runs_w_after_b(stages, micro_batches):
+    timeline = chunked.simulate(chunked.zero_bubble_lists(stages, micro_batches), stages, {"F": 1, "B": 1, "W": 1})
+    assert sum(schedules.idle_fractions(timeline)) / stages == pytest.approx(
+        chunked.zero_bubble_bubble(stages, micro_batches))
+    assert chunked.w_before_b(timeline) == []
+
+
+def test_chunk_order_that_cannot_run_is_named():
+    lists = [[(k, j, vs if k == "F" else (vs + 2) % 4) for k, j, vs in chunked.interleaved_actions(r, 2, 2, 4)]
+             for r in range(2)]   # each backward on the wrong chunk
+    with pytest.raises(ValueError, match="wait on each other forever"):
+        chunked.simulate(lists, 4, {"F": 1, "B": 1})
+
+
+@pytest.mark.parametrize("schedule", chunked.CHUNKED_SCHEDULES)
+def test_hand_written_chunked_gradients_equal_unsplit(schedule):
+    for report in run_ranks(experiments.chunked_check, 2, args=(schedule, 4)):
+        assert report["max_error"] < 1e-6 and abs(report["scale"] - 1) < 1e-5
+        assert report["backwards"] == [4] * (2 if schedule == "interleaved_1f1b" else 1)
+
+
+def test_w_before_its_b_still_gives_gradients_but_is_named_on_the_timeline():
+    timeline = [[{"action": "W", "micro_batch": 0, "virtual_stage": 0, "start": 0.0, "end": 1.0},
+                 {"action": "B", "micro_batch": 0, "virtual_stage": 0, "start": 1.0, "end": 2.0}]]
+    assert chunked.w_before_b(timeline) == ["W of micro-batch 0 on virtual stage 0 started before its B ended"]
+
+
+def test_interleaved_needs_m_a_multiple_of_p():
+    assert lab.runnable("interleaved_1f1b", 3, 4) and lab.runnable("interleaved_1f1b", 2, 4) is None
+    assert lab.runnable("zero_bubble", 3, 4) is None

@@ -1,4 +1,4 @@
-"""Checkers for notebook 07's exercises: the column shard of a weight, and the row-parallel layer's forward."""
+"""Checkers for notebook 07's exercises: the column shard of a weight, and the row-parallel layer, forward and backward."""
 from __future__ import annotations
 
 from typing import Callable
@@ -46,38 +46,88 @@ def _column_verdict(weight: torch.Tensor, shard, rank: int, world_size: int) -> 
     return None
 
 
+UNTRACKED = "an autograd kernel was not registered"
+"""torch's warning when backward runs through an in-place c10d collective that autograd cannot see."""
+
+
+def _leaf(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().clone().requires_grad_()
+
+
 def _row_forward_rank(ctx, row_parallel_forward: Callable) -> str | None:
-    """On one rank: the learner's forward on this rank's slice against the dense layer's output."""
+    """On one rank: the learner's layer on this rank's slice against the dense layer, forward and backward."""
+    import warnings
+    n = ctx.world_size
     generator = torch.Generator().manual_seed(1)
     dense = torch.nn.Linear(8, 6)
     with torch.no_grad():
         dense.weight.copy_(torch.randn(6, 8, generator=generator))
         dense.bias.copy_(torch.randn(6, generator=generator))
-    x = torch.randn(3, 5, 8, generator=generator)
-    x_slice = x.chunk(ctx.world_size, dim=-1)[ctx.rank]
-    weight_shard = dense.weight.detach().chunk(ctx.world_size, dim=1)[ctx.rank].clone()
-    with torch.no_grad():
-        got = row_parallel_forward(x_slice, weight_shard, dense.bias.detach().clone())
+    x = torch.randn(3, 5, 8, generator=generator, requires_grad=True)
+    probe = torch.randn(3, 5, 6, generator=generator)
+    x_slice = _leaf(x.chunk(n, dim=-1)[ctx.rank])
+    weight_shard, bias = _leaf(dense.weight.chunk(n, dim=1)[ctx.rank]), _leaf(dense.bias)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = row_parallel_forward(x_slice, weight_shard, bias)
         expected = dense(x)
-        partial = x_slice @ weight_shard.T
+        partial = (x_slice @ weight_shard.T).detach()
+        if isinstance(got, torch.Tensor) and got.shape == expected.shape and got.requires_grad:
+            (got * probe).sum().backward()
+    (expected * probe).sum().backward()
     if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
         return f"expected an output of shape {tuple(expected.shape)}, got {getattr(got, 'shape', type(got))}."
+    verdict = _forward_verdict(got.detach(), expected.detach(), partial, dense.bias.detach(), n)
+    if verdict:
+        return verdict
+    if any(UNTRACKED in str(w.message) for w in caught):
+        return ("the forward is right, but autograd cannot see dist.all_reduce (torch warns: 'an autograd kernel "
+                "was not registered ... silently incorrect'): put the sum in a torch.autograd.Function, Megatron's "
+                "g, whose backward says what the sum's gradient is.")
+    if x_slice.grad is None or weight_shard.grad is None or bias.grad is None:
+        return "no gradient reached x_slice, weight_shard or bias: keep the output connected to them (no .detach())."
+    return _backward_verdict({"x_slice": (x_slice.grad, x.grad.chunk(n, dim=-1)[ctx.rank]),
+                              "weight_shard": (weight_shard.grad, dense.weight.grad.chunk(n, dim=1)[ctx.rank]),
+                              "bias": (bias.grad, dense.bias.grad)}, n)
+
+
+def _forward_verdict(got, expected, partial, bias, n: int) -> str | None:
     if torch.allclose(got, expected, atol=1e-5):
         return None
-    if torch.allclose(got, partial + dense.bias, atol=1e-5) or torch.allclose(got, partial, atol=1e-5):
+    if torch.allclose(got, partial + bias, atol=1e-5) or torch.allclose(got, partial, atol=1e-5):
         return ("your output is only this rank's partial product x_slice @ weight_shard.T: the ranks' partial "
                 "products must be summed with dist.all_reduce (the missing all-reduce of the row-parallel layer).")
-    if torch.allclose(got, expected + (ctx.world_size - 1) * dense.bias, atol=1e-5):
-        return (f"the bias is counted {ctx.world_size} times: add it once, after the all_reduce, not on every "
-                "rank before it.")
-    if torch.allclose(got, expected - dense.bias, atol=1e-5):
+    if torch.allclose(got, expected - bias, atol=1e-5):
         return "the bias is missing: add it once, after the all_reduce."
-    return f"output differs from the dense layer's by {float((got - expected).abs().max()):.3g}."
+    times = 1 + float(((got - expected).reshape(-1, bias.numel()).mean(0) * bias).sum() / (bias * bias).sum())
+    if torch.allclose(got, expected + (times - 1) * bias, atol=1e-4):
+        return (f"on {n} ranks the bias is counted {times:.3g} times: add it once, after the all_reduce, not on every "
+                "rank before it (and not scaled by a fixed world size).")
+    return f"on {n} ranks the output differs from the dense layer's by {float((got - expected).abs().max()):.3g}."
 
 
-def check_row_parallel_forward(row_parallel_forward: Callable, world_size: int = 2) -> None:
-    """row_parallel_forward(x_slice (..., in/n), weight_shard (out, in/n), bias (out,)) -> (..., out) on
-    every rank, equal to the dense Linear on the whole x; run on forked gloo ranks."""
-    on_ranks(_row_forward_rank, world_size, (row_parallel_forward,), timeout_s=60)
-    passed(f"on {world_size} ranks the partial products summed by all_reduce, plus the bias once, equal the "
-           "dense layer's output")
+def _backward_verdict(pairs: dict, n: int) -> str | None:
+    for name, (got, expected) in pairs.items():
+        if torch.allclose(got, expected, atol=1e-4):
+            continue
+        ratio = float((got * expected).sum() / (expected * expected).sum())
+        if abs(ratio - n) < 1e-3:
+            return (f"the gradient of {name} is {n} times the dense layer's: the backward of your sum over ranks "
+                    "all-reduces the gradient again (torch.distributed.nn.functional.all_reduce does). Every rank "
+                    "already holds the whole output's gradient: g's backward is the identity.")
+        if abs(ratio - 1 / n) < 1e-3:
+            return (f"the gradient of {name} is 1/{n} of the dense layer's: is the bias scaled by 1/n before the "
+                    "sum? Add the whole bias once, after it.")
+        return f"the gradient of {name} differs from the dense layer's by {float((got - expected).abs().max()):.3g}."
+    return None
+
+
+def check_row_parallel_forward(row_parallel_forward: Callable, world_sizes: tuple[int, ...] = (2, 4)) -> None:
+    """row_parallel_forward(x_slice (..., in/n), weight_shard (out, in/n), bias (out,)) -> (..., out) on every
+    rank, equal to the dense Linear on the whole x, and its backward: the gradients of x_slice, weight_shard
+    and bias equal the dense layer's, cut the same way. Run on forked gloo ranks at each world size."""
+    for world_size in world_sizes:
+        on_ranks(_row_forward_rank, world_size, (row_parallel_forward,), timeout_s=60)
+    passed(f"on {' and '.join(map(str, world_sizes))} ranks the partial products summed by all_reduce, plus the "
+           "bias once, equal the dense layer's output, and backward gives the dense layer's gradients (g's "
+           "backward is the identity)")

@@ -5,8 +5,9 @@ from labsrc.core.exercises import ExerciseFailed, on_ranks, passed
 from labsrc.pipeline_parallel import schedules
 from labsrc.pipeline_parallel.experiments import hand_written_error
 
-CASES = [(2, 1), (2, 4), (3, 2), (3, 6), (4, 8)]
-"""(stages p, micro-batches m) every schedule is checked on."""
+CASES = [(2, 1), (2, 4), (3, 2), (3, 6), (4, 8), (4, 2), (4, 1)]
+"""(stages p, micro-batches m) every schedule is checked on; (4, 2) and (4, 1) have m < p - 1, where the warm-up
+must stop at m."""
 
 
 def _lists(actions_function, stages: int, micro_batches: int) -> list[list]:
@@ -34,7 +35,9 @@ def check_one_f_one_b(actions_function) -> None:
         for stage, actions in enumerate(lists):
             problems = schedules.schedule_problems(actions, stage, m)
             if problems:
-                raise ExerciseFailed(f"p={stages}, m={m}: " + "; ".join(problems))
+                hint = ("; with m < p - 1 the warm-up has fewer micro-batches than p - 1 - stage: cap it, "
+                        "min(p - 1 - stage, m)") if m < stages - 1 - stage and any("outside" in problem for problem in problems) else ""
+                raise ExerciseFailed(f"p={stages}, m={m}: " + "; ".join(problems) + hint)
         try:
             timeline = schedules.simulate(lists)
         except ValueError as stuck:

@@ -233,6 +233,12 @@ def library_experiments(ctx, records, options: Options) -> None:
         dense = tp.make_dense("mlp", options.hidden, options.heads, device, options.seed)
         result = library.compare_sequence_parallel(dense, x, ctx.rank, ctx.world_size)
         records.write(LibraryCheck("sequence_parallel", "dense", result["output_error"], tolerance))
+        gradient_tolerance = tp.tolerance(result["gradient_scale"])
+        records.write(LibraryCheck("sequence_parallel_input_grad", "dense", result["input_grad_error"],
+                                   gradient_tolerance))
+        for name, error in result["grad_errors"].items():
+            against = "dense (Partial all-reduced)" if name in result["partial_gradients"] else "dense"
+            records.write(LibraryCheck(f"sequence_parallel_grad {name}", against, error, gradient_tolerance))
     if ctx.world_size >= 4 and ctx.world_size % 2 == 0 and options.batch % (ctx.world_size // 2) == 0:
         dense = tp.make_dense("mlp", options.hidden, options.heads, device, options.seed)
         result = library.compare_two_dimensional(dense, x, ctx.rank, ctx.world_size)

@@ -2,8 +2,9 @@
 
     python -m labsrc.launch --nproc 2 pipeline_parallel
     torchrun --nproc-per-node 2 -m labsrc.labs.pipeline_parallel --repeats 5
-One launch runs every experiment: the gradient checks (hand-written naive, GPipe and 1F1B; torch's GPipe, 1F1B
-and interleaved 1F1B), the timed GPipe sweep over micro-batch counts, a timed 1F1B step, saved-tensor peaks.
+One launch runs every experiment: the gradient checks (hand-written naive, GPipe, 1F1B, interleaved 1F1B and zero
+bubble; torch's GPipe, 1F1B, interleaved 1F1B and two zero-bubble schedules), the timed GPipe sweep over
+micro-batch counts, timed 1F1B, interleaved and zero-bubble steps, saved-tensor peaks.
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ class Options(LabOptions):
     memory_micro_batches: int = 8
     """m for the saved-tensor peaks of GPipe and 1F1B."""
     repeats: int = 3
-    """Timed repetitions of the sweep; the least disturbed one (smallest idle fraction) is kept per m."""
+    """Timed repetitions of the sweep and of the 1F1B step; the least disturbed one (shortest span) is kept per m."""
     box_ms: float = 40.0
     """Each timed F and B lasts at least this long (compute, then a wait): equal boxes, as the formula assumes."""
     width: int = 256
@@ -87,6 +88,50 @@ class ActionTiming(Record):
     micro_batch: int
     start: float
     end: float
+    virtual_stage: int = -1
+    """The model chunk (virtual stage) the action ran on, for interleaved and zero-bubble steps; -1: the rank's one stage."""
+
+
+@dataclass
+class StepMessages(Record):
+    """Point-to-point messages one rank sent in one timed step of a chunked schedule (counted by the executor)."""
+
+    KIND: ClassVar[str] = "step_messages"
+    schedule: str
+    micro_batches: int
+    stage: int
+    sends: int
+
+
+@dataclass
+class ScheduleProblem(Record):
+    """A schedule's action lists that cannot run (the ranks would wait on each other forever): not run, named."""
+
+    KIND: ClassVar[str] = "schedule_problem"
+    schedule: str
+    problem: str
+
+
+@dataclass
+class Skipped(Record):
+    """A schedule this launch could not run at its sizes, and why (interleaved 1F1B needs m a multiple of p)."""
+
+    KIND: ClassVar[str] = "skipped"
+    schedule: str
+    reason: str
+
+
+@dataclass
+class ChunkedMemoryPeak(Record):
+    """Peak activation bytes one rank kept in a step of a chunked schedule, measured and replayed from its list."""
+
+    KIND: ClassVar[str] = "chunked_memory_peak"
+    schedule: str
+    micro_batches: int
+    stage: int
+    peak_bytes: int
+    expected_bytes: int
+    """The list replayed with each chunk's one-micro-batch bytes kept from F until B (or W when split)."""
 
 
 @dataclass
@@ -111,14 +156,24 @@ PROGRESS_UNIT = "pipeline steps"  # each gradient check, memory measure and time
 
 
 def timed_runs(options: Options) -> list[tuple[str, int, int]]:
-    """(schedule, m, repeat) of each timed step: GPipe at every m, `repeats` times over, then one 1F1B."""
-    runs = [("gpipe", m, repeat) for repeat in range(options.repeats) for m in options.micro_batches]
-    return runs + [("1f1b", options.check_micro_batches, 0)]
+    """(schedule, m, repeat) of each timed step: GPipe at every m then 1F1B at check_micro_batches, `repeats`
+    times over (interleaved, so a burst of load elsewhere does not land on one schedule only)."""
+    return [run for repeat in range(options.repeats)
+            for run in [("gpipe", m, repeat) for m in options.micro_batches]
+            + [(name, options.check_micro_batches, repeat) for name in ("1f1b",) + experiments.CHUNKED_SCHEDULES]]
 
 
 def step_count(options: Options) -> int:
     """How many pipeline steps the lab runs: the bar's total."""
-    return len(schedules.SCHEDULES) + len(LIBRARY_SCHEDULES) + 2 + 1 + len(timed_runs(options))
+    return (len(schedules.SCHEDULES) + 2 * len(experiments.CHUNKED_SCHEDULES) + len(LIBRARY_SCHEDULES) + 2 + 1
+            + len(timed_runs(options)))
+
+
+def runnable(schedule: str, ranks: int, micro_batches: int) -> str | None:
+    """Why a hand-written chunked schedule cannot run at these sizes (None: it can)."""
+    if schedule == "interleaved_1f1b" and micro_batches % ranks:
+        return f"interleaved 1F1B runs micro-batches in groups of p = {ranks}; m = {micro_batches} is not a multiple"
+    return None
 
 
 def check_gradients(ctx, records, options: Options, tick) -> None:
@@ -127,6 +182,18 @@ def check_gradients(ctx, records, options: Options, tick) -> None:
         report = experiments.hand_written_check(ctx, schedule, m, batch=batch, timeout_s=options.pg_timeout_s)
         used = schedules.effective_micro_batches(schedule, m)
         records.write(GradientCheck(implementation="hand-written", schedule=schedule, micro_batches=used, **report))
+        tick()
+    for schedule in experiments.CHUNKED_SCHEDULES:
+        if runnable(schedule, ctx.world_size, m):
+            records.write(Skipped(schedule, runnable(schedule, ctx.world_size, m)))
+            tick()
+            continue
+        try:
+            report = experiments.chunked_check(ctx, schedule, m, batch=batch, timeout_s=options.pg_timeout_s)
+        except ValueError as cannot_run:   # every rank builds every list, so all ranks skip it together
+            records.write(ScheduleProblem(schedule, str(cannot_run)))
+        else:
+            records.write(GradientCheck(implementation="hand-written", schedule=schedule, micro_batches=m, **report))
         tick()
     for schedule in LIBRARY_SCHEDULES:
         report = experiments.library_check(ctx, schedule, m, batch=batch)
@@ -142,7 +209,21 @@ def time_schedules(ctx, records, options: Options, tick) -> None:
     experiments.timed_schedule(ctx, "gpipe", 2, **sizes)   # warm-up, not recorded
     tick()
     for schedule, m, repeat in timed_runs(options):
-        for event in experiments.timed_schedule(ctx, schedule, m, **sizes):
+        if schedule in experiments.CHUNKED_SCHEDULES:
+            if runnable(schedule, ctx.world_size, m):
+                tick()
+                continue
+            try:
+                run = experiments.timed_chunked(ctx, schedule, m, **sizes)
+            except ValueError:   # named once, by check_gradients
+                tick()
+                continue
+            events = run["timeline"]
+            if repeat == 0:
+                records.write(StepMessages(schedule, m, ctx.rank, run["sends"]))
+        else:
+            events = experiments.timed_schedule(ctx, schedule, m, **sizes)
+        for event in events:
             records.write(ActionTiming(schedule=schedule, micro_batches=m, repeat=repeat, stage=ctx.rank, **event))
         tick()
 
@@ -153,6 +234,16 @@ def measure_memory(ctx, records, options: Options, tick) -> None:
                                              timeout_s=options.pg_timeout_s)
         records.write(MemoryPeak(schedule=schedule, micro_batches=options.memory_micro_batches, stage=ctx.rank,
                                  stages=ctx.world_size, **peak))
+        tick()
+    for schedule in experiments.CHUNKED_SCHEDULES:
+        try:
+            if not runnable(schedule, ctx.world_size, options.memory_micro_batches):
+                peak = experiments.chunked_saved_tensor_peak(ctx, schedule, options.memory_micro_batches,
+                                                             timeout_s=options.pg_timeout_s)
+                records.write(ChunkedMemoryPeak(schedule, options.memory_micro_batches, ctx.rank, peak["peak_bytes"],
+                                                peak["expected_bytes"]))
+        except ValueError:   # lists that cannot run: named once, by check_gradients
+            pass
         tick()
 
 

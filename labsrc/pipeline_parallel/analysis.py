@@ -5,7 +5,7 @@ from labsrc.pipeline_parallel import schedules
 
 
 def timeline_of(timings: list, schedule: str, micro_batches: int, repeat: int = 0) -> list[list[dict]]:
-    """Per stage, its actions in the order they ran: [{"action", "micro_batch", "start", "end"}].
+    """Per stage, its actions in the order they ran: [{"action", "micro_batch", "virtual_stage", "start", "end"}].
 
     timings: ActionTiming records (objects with schedule, micro_batches, repeat, stage, action, ...).
     Times are made relative to the first start on any stage.
@@ -17,7 +17,7 @@ def timeline_of(timings: list, schedule: str, micro_batches: int, repeat: int = 
     stages = max(t.stage for t in chosen) + 1
     timeline: list[list[dict]] = [[] for _ in range(stages)]
     for t in sorted(chosen, key=lambda t: t.start):
-        timeline[t.stage].append({"action": t.action, "micro_batch": t.micro_batch,
+        timeline[t.stage].append({"action": t.action, "micro_batch": t.micro_batch, "virtual_stage": t.virtual_stage,
                                   "start": t.start - origin, "end": t.end - origin})
     return timeline
 
@@ -28,7 +28,8 @@ def bubble_sweep(timings: list, schedule: str = "gpipe") -> dict[int, dict]:
     repeats: each repeat's idle fraction (mean over stages of schedules.idle_fractions); spans: its span
     (seconds). Load from other work can only lengthen a span (no box is shorter than its box_ms, no message
     arrives before it is sent), so the repeat with the shortest span is the least disturbed one: kept is
-    its index, measured its idle fraction; formula is (p-1)/(m+p-1).
+    its index, measured its idle fraction; formula is (p-1)/(m+p-1) (the other schedules' formulas are in
+    pipeline_parallel.chunked).
     """
     sweep: dict[int, dict] = {}
     for m in sorted({t.micro_batches for t in timings if t.schedule == schedule}):

@@ -7,9 +7,10 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from labsrc.pipeline_parallel import schedules
+from labsrc.pipeline_parallel import chunked, schedules
+from labsrc.pipeline_parallel.chunked_executor import run_chunks
 from labsrc.pipeline_parallel.executor import SavedTensorMeter, run_stage
-from labsrc.pipeline_parallel.library import run_library_schedule, stages_held
+from labsrc.pipeline_parallel.library import TWO_STAGES_A_RANK, run_library_schedule, stages_held
 from labsrc.pipeline_parallel.stages import (full_batch_loss, gradient_error, gradient_scale, make_batch, make_model,
                                              split_model, unsplit_gradients)
 
@@ -71,7 +72,7 @@ def hand_written_error(ctx, schedule: str | ActionsFunction, micro_batches: int,
 
 def library_check(ctx, schedule: str, micro_batches: int, width: int = 16, batch: int = 8, seed: int = 0) -> dict:
     """The same comparison for torch.distributed.pipelining's schedule (interleaved: 2 stages a rank)."""
-    stages = 2 * ctx.world_size if schedule == "interleaved_1f1b" else ctx.world_size
+    stages = 2 * ctx.world_size if schedule in TWO_STAGES_A_RANK else ctx.world_size
     # gloo moves CPU tensors only: ranks sharing a GPU through gloo run torch's schedules on the CPU
     device = torch.device("cpu") if ctx.backend == "gloo" else ctx.device
     model = make_model(width, 2 * ctx.world_size, seed)
@@ -133,3 +134,70 @@ def saved_tensor_peak(ctx, schedule: str, micro_batches: int, width: int = 64, m
     cuda_peak = torch.cuda.max_memory_allocated(ctx.device) - baseline if cuda else None
     return {"peak_bytes": meter.peak, "micro_batch_bytes": one.peak, "cuda_peak_bytes": cuda_peak,
             "in_flight": schedules.peak_in_flight(actions)}
+
+
+CHUNKED_SCHEDULES = chunked.CHUNKED_SCHEDULES
+chunked_lists = chunked.chunked_lists
+
+
+def _chunked_run(ctx, schedule: str, micro_batches: int, model, inputs, targets, timeout_s: float, box_s: float,
+                 count: bool = False) -> tuple[dict, dict, list[int]]:
+    """Run this rank's chunks of model: ({virtual stage: (blocks, module)}, {"timeline", "sends"}, backwards that
+    reached each chunk's parameters)."""
+    lists, virtual_stages = chunked_lists(schedule, ctx.world_size, micro_batches)
+    chunked.simulate(lists, virtual_stages, {"F": 1, "B": 1, "W": 1})   # raises, naming the stuck actions, not hangs
+    parts = split_model(model, virtual_stages, ctx.device)
+    held = {vs: parts[vs] for vs in range(ctx.rank, virtual_stages, ctx.world_size)}
+    with counting_backwards([module for _, module in held.values()] if count else []) as backwards:
+        run = run_chunks({vs: module for vs, (_, module) in held.items()}, lists[ctx.rank], ctx.world_size,
+                         virtual_stages, inputs, targets, micro_batches, timeout_s, box_s)
+    return held, run, backwards
+
+
+def chunked_check(ctx, schedule: str, micro_batches: int, width: int = 16, batch: int = 8, seed: int = 0,
+                  timeout_s: float = 30.0) -> dict:
+    """This rank's chunks after a hand-written interleaved or zero-bubble step, against the unsplit model."""
+    model = make_model(width, 4 * ctx.world_size, seed)
+    inputs, targets = make_batch(batch, width, seed, ctx.device)
+    reference = unsplit_gradients(model, inputs, targets)
+    held, _, backwards = _chunked_run(ctx, schedule, micro_batches, model, inputs, targets, timeout_s, 0.0, True)
+    return _report(list(held.values()), reference, backwards)
+
+
+def timed_chunked(ctx, schedule: str, micro_batches: int, width: int, blocks_per_stage: int, micro_batch_size: int,
+                  box_s: float = 0.0, timeout_s: float = 60.0) -> dict:
+    """One timed step of a chunked schedule: {"timeline", "sends"}. Every F, B (and W) box lasts box_s: for
+    interleaved 1F1B, each of the 2 chunks holds half a stage's blocks but is padded to a whole box (a box of
+    box_s / 2 would make the per-hop overhead twice as large a share; the idle fraction's formula does not depend
+    on the box's length); zero bubble: a whole backward = B + W = 2 boxes, as t_B = 2 t_F."""
+    model = make_model(width, blocks_per_stage * ctx.world_size, seed=0)
+    inputs, targets = make_batch(micro_batch_size * micro_batches, width, 0, ctx.device)
+    dist.barrier()
+    return _chunked_run(ctx, schedule, micro_batches, model, inputs, targets, timeout_s, box_s)[1]
+
+
+def chunked_saved_tensor_peak(ctx, schedule: str, micro_batches: int, width: int = 64, micro_batch_size: int = 8,
+                              timeout_s: float = 30.0) -> dict:
+    """Peak activation bytes this rank kept during one step of a chunked schedule (saved_tensor_peak's model,
+    cut into chunks), and what one micro-batch's forward keeps on each of its chunks."""
+    import torch.nn as nn
+    model = make_model(width, 2 * ctx.world_size, seed=0)
+    lists, virtual_stages = chunked_lists(schedule, ctx.world_size, micro_batches)
+    chunked.simulate(lists, virtual_stages, {"F": 1, "B": 1, "W": 1})   # raises, naming the stuck actions, not hangs
+    parts = split_model(model, virtual_stages, ctx.device)
+    held = {vs: parts[vs][1] for vs in range(ctx.rank, virtual_stages, ctx.world_size)}
+    inputs, targets = make_batch(micro_batch_size * micro_batches, width, 0, ctx.device)
+    chunk_bytes = {}
+    for vs, module in held.items():
+        one = SavedTensorMeter(module)
+        with torch.autograd.graph.saved_tensors_hooks(one.pack, one.unpack):
+            outputs = module(inputs[:micro_batch_size].clone().requires_grad_())   # a received input needs grad
+            if vs == virtual_stages - 1:
+                full_batch_loss(outputs, targets[:micro_batch_size])
+            del outputs
+        chunk_bytes[vs] = one.peak
+    meter = SavedTensorMeter(nn.ModuleList(held.values()))
+    run_chunks(held, lists[ctx.rank], ctx.world_size, virtual_stages, inputs, targets, micro_batches, timeout_s,
+               meter=meter)
+    return {"peak_bytes": meter.peak, "chunk_bytes": {str(vs): b for vs, b in chunk_bytes.items()},
+            "expected_bytes": chunked.kept_bytes_peak(lists[ctx.rank], chunk_bytes)}

@@ -4,19 +4,25 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import nn
 
-LIBRARY_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+LIBRARY_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
+TWO_STAGES_A_RANK = ("interleaved_1f1b", "interleaved_zero_bubble", "zbv_zero_bubble")
 
 
 def stages_held(schedule: str, rank: int, ranks: int) -> list[int]:
-    """Stage indices this rank holds: one (rank) per rank, or round-robin (rank, rank + p) when interleaved."""
-    return [rank, rank + ranks] if schedule == "interleaved_1f1b" else [rank]
+    """Stage indices this rank holds: one (rank) per rank; round-robin (rank, rank + p) when interleaved; a V
+    (rank, 2p - 1 - rank) for ZBV, so rank 0 holds the first and the last stage."""
+    if schedule == "zbv_zero_bubble":
+        return [rank, 2 * ranks - 1 - rank]
+    return [rank, rank + ranks] if schedule in TWO_STAGES_A_RANK else [rank]
 
 
 def schedule_class(schedule: str):
     """The torch.distributed.pipelining class for a schedule name."""
     from torch.distributed import pipelining
     return {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B,
-            "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B}[schedule]
+            "interleaved_1f1b": pipelining.ScheduleInterleaved1F1B,
+            "interleaved_zero_bubble": pipelining.ScheduleInterleavedZeroBubble,   # backward split into B and W
+            "zbv_zero_bubble": pipelining.ScheduleZBVZeroBubble}[schedule]
 
 
 def micro_batch_loss(outputs, targets):
@@ -38,7 +44,7 @@ def run_library_schedule(schedule: str, parts: list[tuple[range, nn.Module]], ra
     device = inputs.device
     pipeline_stages = [PipelineStage(parts[index][1], index, len(parts), device) for index in held]
     runner_class = schedule_class(schedule)
-    first = pipeline_stages if schedule == "interleaved_1f1b" else pipeline_stages[0]
+    first = pipeline_stages if schedule in TWO_STAGES_A_RANK else pipeline_stages[0]
     runner = runner_class(first, micro_batches, loss_fn=micro_batch_loss, scale_grads=True)
     holds_first, holds_last = 0 in held, len(parts) - 1 in held
     arguments = (inputs,) if holds_first else ()

@@ -3,13 +3,15 @@ from __future__ import annotations
 
 from labsrc.plots import new_axes
 
-COLOURS = {"F": "#2563eb", "B": "#ea580c"}
+COLOURS = {"F": "#2563eb", "B": "#ea580c", "W": "#16a34a"}
 
 
 def gantt(timeline: list[list[dict]], title: str, ax=None, unit: str = "ms", scale: float = 1000.0):
-    """Stage x time: one box per action, forward blue and backward orange, its micro-batch number on it.
+    """Stage x time: one box per action, forward blue, backward orange, weight gradient (W) green, its micro-batch
+    number on it (a prime: the rank's second model chunk, interleaved).
 
-    timeline: per stage [{"action", "micro_batch", "start", "end"}] (seconds times scale gives unit).
+    timeline: per stage [{"action", "micro_batch", "start", "end"}, optionally "virtual_stage"] (seconds times
+    scale gives unit).
     """
     ax = new_axes(title, f"time ({unit})", "stage", ax)
     for stage, events in enumerate(timeline):
@@ -17,7 +19,8 @@ def gantt(timeline: list[list[dict]], title: str, ax=None, unit: str = "ms", sca
             left, width = event["start"] * scale, (event["end"] - event["start"]) * scale
             ax.broken_barh([(left, width)], (stage - 0.4, 0.8), facecolors=COLOURS[event["action"]],
                            edgecolors="white")
-            ax.text(left + width / 2, stage, str(event["micro_batch"]), ha="center", va="center",
+            chunk = max(event.get("virtual_stage", -1), 0) // len(timeline)   # interleaved: 0 or 1, marked '
+            ax.text(left + width / 2, stage, str(event["micro_batch"]) + "'" * chunk, ha="center", va="center",
                     color="white", fontsize=8)
     ax.set_yticks(range(len(timeline)))
     ax.invert_yaxis()
@@ -34,7 +37,8 @@ def show_schedules(pairs: dict[str, tuple[list, list]], box_s: float):
         gantt(measured, f"{name}: measured", axes[row][0])
         gantt(ideal, f"{name}: ideal (boxes of {box_s * 1000:g} ms, free messages)", axes[row][1])
     # beside the axes, not on them: a Gantt chart has boxes in every corner
-    keys = [Patch(color=COLOURS["F"], label="F: forward"), Patch(color=COLOURS["B"], label="B: backward")]
+    keys = [Patch(color=COLOURS["F"], label="F: forward"), Patch(color=COLOURS["B"], label="B: backward"),
+            Patch(color=COLOURS["W"], label="W: weight gradient")]
     axes[0][1].legend(handles=keys, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     figure.tight_layout()
     return figure
