@@ -33,6 +33,8 @@ class Outcome:
     detail: dict | None = None
     text: str = ""
     """The exception's whole text (torch's own wording: assert only on stable substrings of it)."""
+    debug: str = ""
+    """The c10d debug level in force on this rank as it ran (OFF, INFO, DETAIL): what its groups were built with."""
 
 
 @contextmanager
@@ -65,14 +67,14 @@ def short_group(timeout_s: float):
 
 def attempt(case: str, variant: str, rank: int, action, *args) -> Outcome:
     """Run action(*args) on this rank; an exception becomes the Outcome's class name and first line."""
-    started = time.perf_counter()
+    started, debug = time.perf_counter(), dist.get_debug_level().name
     try:
         detail = action(*args)
-        return Outcome(case, variant, rank, True, "", "", time.perf_counter() - started, detail)
+        return Outcome(case, variant, rank, True, "", "", time.perf_counter() - started, detail, debug=debug)
     except Exception as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         return Outcome(case, variant, rank, False, type(exc).__name__, first_line,
-                       time.perf_counter() - started, text=str(exc)[:4000])
+                       time.perf_counter() - started, text=str(exc)[:4000], debug=debug)
 
 
 def run_case(rank_function, variant: str, debug: str = "OFF", timeout_s: float = 4.0,

@@ -127,7 +127,8 @@ def _hung_rank(ctx, folder: str, hang_s: float) -> None:
             return
         if step == 2:
             faulthandler.dump_traceback_later(FAULTHANDLER_AFTER_S, file=open(Path(folder) / "faulthandler.txt", "w"))
-            (Path(folder) / "waiting").write_text(str(os.getpid()))
+            with open(Path(folder) / "waiting", "a") as waiting:  # "<rank> <pid>": every rank that armed the tools
+                waiting.write(f"{ctx.rank} {os.getpid()}\n")
         log_metric(float(step), group)
 
 
@@ -141,11 +142,12 @@ def inspect_hang(hang_s: float = 8.0) -> dict:
     """Two forked ranks, rank 0 stuck in an all_reduce rank 1 skipped; its stack read two ways while it waits.
 
     {"pid", "py_spy" (py-spy dump's text, or ""), "py_spy_error" (why there is none), "faulthandler" (the text
-    faulthandler.dump_traceback_later wrote after FAULTHANDLER_AFTER_S)}. Both ranks are killed after.
+    faulthandler.dump_traceback_later wrote after FAULTHANDLER_AFTER_S), "armed" (the ranks that armed faulthandler
+    and named their pid: [0], the waiting rank, alone)}. Both ranks are killed after.
     """
     with tempfile.TemporaryDirectory() as folder:
         children, _ = _start(_hung_rank, 2, (folder, hang_s), folder)
-        seen = {"pid": None, "py_spy": "", "py_spy_error": "", "faulthandler": ""}
+        seen = {"pid": None, "py_spy": "", "py_spy_error": "", "faulthandler": "", "armed": []}
         try:
             waiting, dump = Path(folder) / "waiting", Path(folder) / "faulthandler.txt"
             deadline = time.monotonic() + hang_s
@@ -154,7 +156,7 @@ def inspect_hang(hang_s: float = 8.0) -> dict:
             if not waiting.exists():
                 raise RuntimeError(f"rank 0 never reached the third all_reduce in {hang_s} s")
             time.sleep(0.3)  # well inside the all_reduce by now
-            seen["pid"] = int(waiting.read_text())
+            seen["pid"] = int(waiting.read_text().split()[1])
             tool = py_spy()
             if tool is None:
                 seen["py_spy_error"] = "py-spy is not installed: pip install py-spy (pinned in requirements.txt)"
@@ -166,6 +168,7 @@ def inspect_hang(hang_s: float = 8.0) -> dict:
             while "log_metric" not in (dump.read_text() if dump.exists() else "") and time.monotonic() < deadline:
                 time.sleep(0.05)
             seen["faulthandler"] = dump.read_text() if dump.exists() else ""
+            seen["armed"] = [int(line.split()[0]) for line in waiting.read_text().splitlines()]
         finally:
             _end(children)
     return seen

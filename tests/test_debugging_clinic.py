@@ -12,6 +12,7 @@ def test_detail_names_a_shape_mismatch_at_once_and_the_fix_passes():
     broken = clinic.run_case(clinic.mismatched_shape, "broken", debug="DETAIL", timeout_s=3.0)
     assert [o.exception for o in broken] == ["RuntimeError", "RuntimeError"]
     assert all(o.seconds < 3.0 and "TensorShape=[5]" in o.text for o in broken)
+    assert {o.debug for o in broken} == {"DETAIL"}, "each rank records the level its group was built at"
     assert all(o.ok for o in clinic.run_case(clinic.mismatched_shape, "fixed", debug="DETAIL", timeout_s=3.0))
 
 
@@ -55,6 +56,15 @@ def test_flight_recorder_finds_the_skipped_collective_and_torchfrtrace_refuses_g
 def test_first_divergence_of_equal_records_is_none():
     record = [{"seq": 1, "op": "gloo:all_reduce", "pg_id": 2, "sizes": [[4]], "state": "completed", "timeout_ms": 1}]
     assert clinic.first_divergence([record, record]) is None
+
+
+def test_first_divergence_is_the_earliest_missed_collective_not_the_last_entry():
+    """NCCL-shaped records: rank 0 enqueued seq 3 and 4 after the seq 2 rank 1 skipped."""
+    entry = {"op": "gloo:all_reduce", "pg_id": 2, "sizes": [[4]], "state": "scheduled", "timeout_ms": 1}
+    rank0 = [dict(entry, seq=seq) for seq in range(5)]
+    rank1 = [dict(entry, seq=seq) for seq in range(2)]
+    assert clinic.first_divergence([rank0, rank1]) == {"op": "gloo:all_reduce", "seq": 2, "sizes": [[4]],
+                                                      "entered": [0], "missing": [1]}
 
 
 def test_ddp_unused_parameter_fails_and_static_graph_fixes_it():

@@ -27,6 +27,7 @@ def test_unguarded_fixed_case_finishes_on_every_rank():
 def test_py_spy_and_faulthandler_name_the_blocking_call_and_its_caller():
     seen = clinic_hang.inspect_hang(hang_s=6.0)
     assert seen["py_spy_error"] == "", seen["py_spy_error"]
+    assert seen["armed"] == [0], "only the waiting rank armed faulthandler and named its pid"
     frames = [line.split()[0] for line in seen["py_spy"].splitlines() if line.startswith("    ")]
     assert frames[0] == "all_reduce" and "log_metric" in frames[:4], frames
     files = [line.strip() for line in seen["faulthandler"].splitlines() if line.strip().startswith("File")]

@@ -137,3 +137,27 @@ def test_mean_loss_silent_rank0_is_rejected():
 def test_mean_loss_local_value_is_rejected():
     with pytest.raises(ExerciseFailed, match="rank 0 returned its own loss"):
         checks.check_mean_loss(lambda ctx, loss: loss)
+
+
+def test_mean_loss_with_integer_division_is_rejected():
+    """`//` gives the right number whenever the mean is whole: the checker's losses make it 3.5 and 4.5."""
+    def floored(ctx, loss):
+        total = torch.tensor([float(loss)])
+        dist.all_reduce(total)
+        if ctx.rank == 0:
+            print(f"mean loss {total.item() // ctx.world_size}")
+        return total.item() // ctx.world_size
+    with pytest.raises(ExerciseFailed, match="expected the mean loss 3.5, got 3.0"):
+        checks.check_mean_loss(floored)
+
+
+def test_mean_loss_printed_by_each_nodes_local_rank_0_is_rejected():
+    """`if ctx.local_rank == 0` prints once per node: rank 2 is local rank 0 of the second node at 3 ranks."""
+    def per_node(ctx, loss):
+        total = torch.tensor([float(loss)])
+        dist.all_reduce(total)
+        if ctx.local_rank == 0:
+            print(f"mean loss {total.item() / ctx.world_size:.3f}")
+        return total.item() / ctx.world_size
+    with pytest.raises(ExerciseFailed, match=r"rank\(s\) \[2\] printed too.*not ctx.local_rank"):
+        checks.check_mean_loss(per_node)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import re
 from typing import Callable
@@ -81,14 +82,20 @@ def check_diagnose(diagnose: Callable[[dict], str]) -> None:
     passed(f"all {len(EVIDENCE)} failures diagnosed: {', '.join(cause for _, cause in EVIDENCE)}")
 
 
+RANKS_PER_NODE = 2
+"""The checker lays its ranks out as on nodes of 2: on 3 ranks, rank 2 is local rank 0 of the second node."""
+
+
 def _mean_loss_rank(ctx, mean_loss: Callable) -> dict:
-    """Rank r's loss is 2(r + 1); the learner's answer and what this rank printed (stdout captured)."""
-    local = float(ctx.rank + 1) * 2.0
+    """Rank r's loss is 2(r + 1) + 0.5 (the mean is never a whole number, so `//` or int() shows); the learner's
+    answer and what this rank printed (stdout captured). local_rank is r % RANKS_PER_NODE, as across nodes."""
+    ctx = dataclasses.replace(ctx, local_rank=ctx.rank % RANKS_PER_NODE)
+    local = float(ctx.rank + 1) * 2.0 + 0.5
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         answer = mean_loss(ctx, local)
     value = float(answer.item() if isinstance(answer, torch.Tensor) else answer)
-    return {"local": local, "value": value, "printed": printed.getvalue()}
+    return {"local": local, "value": value, "printed": printed.getvalue(), "local_rank": ctx.local_rank}
 
 
 def mean_loss_verdict(results: list[dict]) -> str | None:
@@ -110,6 +117,10 @@ def mean_loss_verdict(results: list[dict]) -> str | None:
         return f"on {world_size} ranks rank {rank} expected the mean loss {expected}, got {value}."
     talkers = [rank for rank, result in enumerate(results) if rank > 0 and result["printed"].strip()]
     if talkers:
+        node_leads = [rank for rank in talkers if results[rank].get("local_rank", rank) == 0]
+        if node_leads:
+            return (f"on {world_size} ranks laid out {RANKS_PER_NODE} per node, rank(s) {node_leads} printed too: "
+                    f"they are local rank 0 of their node. Test ctx.rank (global), not ctx.local_rank.")
         return (f"on {world_size} ranks, rank(s) {talkers} printed too ({results[talkers[0]]['printed'].strip()!r}): "
                 f"keep the print under `if ctx.rank == 0`.")
     numbers = [float(n) for n in re.findall(r"-?\d+(?:\.\d+)?", results[0]["printed"])]
