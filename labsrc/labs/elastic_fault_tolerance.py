@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -22,7 +21,7 @@ from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record, current_attempt
 from labsrc.core.world import RequestError
 from labsrc.elastic_fault_tolerance import Setup, Training, load_snapshot, part_fingerprints, save_snapshot
-from labsrc.elastic_fault_tolerance_snapshot import SnapshotCorrupt, save_atomic, write_torn
+from labsrc.elastic_fault_tolerance_snapshot import SnapshotCorrupt, die_mid_write, save_atomic
 
 FAILURES = ("exception", "kill", "hang")
 SNAPSHOT_FILE = "snapshots/snapshot.pt"
@@ -80,6 +79,8 @@ class Resume(Record):
     """How this rank's RNG state was restored."""
     host: str = ""
     """The host name of the machine (node) it ran on: node0, node1 on the emulated Slurm cluster."""
+    own_store: str = ""
+    """TORCH_DISABLE_SHARE_RDZV_TCP_STORE as this process saw it ('1': a fresh store per start, not torchrun's)."""
 
 
 @dataclass
@@ -172,7 +173,8 @@ def resume(ctx, records, run: Training, path: Path) -> None:
     records.write(Resume(restart_count=current_attempt(), world_size=ctx.world_size,
                          node_rank=int(os.environ.get("GROUP_RANK", 0)), pid=os.getpid(),
                          started_wall=time.time(), resumed_from_step=run.steps_done, snapshot=found,
-                         refused_why=why, rng=rng, host=socket.gethostname()))
+                         refused_why=why, rng=rng, host=socket.gethostname(),
+                         own_store=os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "")))
     if found == "refused":
         raise SnapshotCorrupt(why)
     print(f"world {ctx.world_size}: resumed from step {run.steps_done} ({found}); RNG {rng}", flush=True)
@@ -182,11 +184,11 @@ def save(ctx, records, run: Training, path: Path, planted: str | None) -> None:
     """A snapshot; with planted 'kill', rank 0 dies half-way through writing it (the temp file torn)."""
     start = time.perf_counter()
     if planted == "kill":
-        def torn_then_killed(state, target):
-            write_torn(state, target)
+        def killed_mid_write(state, target):  # the course's own save, SIGKILLed half-way through its write
             records.write(Failure(failure="kill", step=run.steps_done, wall=time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
-        save_snapshot(run, path, write=torn_then_killed)
+            die_mid_write()
+            save_atomic(state, target)
+        save_snapshot(run, path, write=killed_mid_write)
     else:
         save_snapshot(run, path, write=save_atomic)
     if ctx.rank == 0:
