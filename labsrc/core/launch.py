@@ -31,7 +31,8 @@ __all__ = ["start", "run", "Launch", "RunResult", "LaunchError", "LaunchTimeout"
 FAILED_PEER_GRACE_S = 10.0  # after one node's agent fails, the others get this long to end by themselves
 ELASTIC_RDZV_CONF = "last_call_timeout=3,join_timeout=60,keep_alive_interval=2,keep_alive_max_attempt=3"
 OWN_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch's opt-out of sharing the rendezvous store with ranks
-OWN_STORE_TORCH = ((2, 11), (2, 14))  # torch versions the course runs restarts and nodes with OWN_STORE_ENV=1 on
+# torch versions the course runs restarts and nodes on with OWN_STORE_ENV=1 (the failure without it: 2.14.1)
+OWN_STORE_TORCH = ((2, 11), (2, 14))
 
 
 def torchrun_command(target: Target, nproc: int, nodes: Nodes, target_args: list[str], run_id: str,
