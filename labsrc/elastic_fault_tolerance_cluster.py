@@ -47,8 +47,13 @@ class ClusterJob:
     """--rdzv-id for hand-started nodes (Slurm uses its job id): the same on every node of one job."""
     time_limit: str = "00:30:00"
     cpus_per_task: int = 32
-    kill_on_bad_exit: bool = True
-    """srun --kill-on-bad-exit: one task (one node's agent) failing ends the whole step; False lets the others run on."""
+    kill_on_bad_exit: bool | None = None
+    """srun --kill-on-bad-exit: one task (one node's agent) failing ends the whole step. None: on for a fixed-size
+    job, off for an elastic one (min_nodes < nodes), whose surviving nodes must run on; True on an elastic job
+    defeats it (tests/test_slurm_cluster.py shows the survivor killed)."""
+    no_kill: bool | None = None
+    """sbatch --no-kill: keep the job when a node of its allocation fails (by default Slurm ends the whole job,
+    NODE_FAIL). None: on for an elastic job."""
     torchrun_args: tuple[str, ...] = ()
     """Extra torchrun flags (the sbatch script), e.g. ("--monitor-interval=0.1", "--rdzv-conf=last_call_timeout=3")."""
 
@@ -65,6 +70,10 @@ class ClusterJob:
             raise RequestError(f"ib_hca={self.ib_hca} is an IP interface, not an InfiniBand adapter: NCCL_IB_HCA "
                                f"takes what `ibv_devinfo` lists (mlx5_0, or the prefix mlx5); put the IP "
                                f"interface in socket_ifname (NCCL_SOCKET_IFNAME).")
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes not in (0, self.nodes)
 
     @property
     def nnodes_spec(self) -> str:
@@ -104,6 +113,11 @@ NCCL_EXPORTS = ("export NCCL_SOCKET_IFNAME={ifname}   # IP interface for NCCL's 
 GLOO_EXPORTS = "export GLOO_SOCKET_IFNAME={ifname}   # IP interface gloo's sockets use (an exact name, the same on every node)\n"
 
 
+def kill_on_bad_exit(job: ClusterJob) -> bool:
+    """srun --kill-on-bad-exit for `job`: its own setting, else on for a fixed-size job and off for an elastic one."""
+    return not job.elastic if job.kill_on_bad_exit is None else job.kill_on_bad_exit
+
+
 def render_sbatch(job: ClusterJob, gpus: bool = True) -> str:
     """The Slurm batch script: one task per node, torchrun in each, rendezvous on the first allocated host.
 
@@ -114,7 +128,9 @@ def render_sbatch(job: ClusterJob, gpus: bool = True) -> str:
     values.update(gpus_directive=f"#SBATCH --gpus-per-node={job.gpus_per_node}\n" if gpus else "",
                   interface_exports=(NCCL_EXPORTS.format(ifname=job.socket_ifname, hca=job.ib_hca) if gpus
                                      else GLOO_EXPORTS.format(ifname=job.socket_ifname)),
-                  kill_on_bad_exit="1" if job.kill_on_bad_exit else "0",
+                  kill_on_bad_exit=str(int(kill_on_bad_exit(job))),
+                  no_kill_directive="#SBATCH --no-kill\n" if (job.elastic if job.no_kill is None else job.no_kill)
+                  else "",
                   torchrun_args="".join(f" {shlex.quote(arg)}" for arg in job.torchrun_args))
     return render("sbatch_torchrun.sh.template", values)
 

@@ -30,10 +30,13 @@ LOST_NODE = 1
 STEPS_BEFORE_FAULT = 3  # rank 0's steps at world size 2 before the fault: the job is surely training on both nodes
 
 
-def emulated_job(kill_on_bad_exit: bool = True, step_sleep_s: float = 0.5) -> ClusterJob:
-    """The elastic lab on the emulated cluster: 2 nodes of one rank each, elastic down to one, fast timeouts."""
+def emulated_job(kill_on_bad_exit: bool = True, step_sleep_s: float = 0.5, no_kill: bool = False) -> ClusterJob:
+    """The elastic lab on the emulated cluster: 2 nodes of one rank each, elastic down to one, fast timeouts.
+
+    kill_on_bad_exit and no_kill are set explicitly (render_sbatch's defaults for an elastic job are off and on):
+    the tests record what Slurm does with each choice."""
     return ClusterJob(nodes=2, min_nodes=1, gpus_per_node=1, cpus_per_task=1, port=29400, time_limit="00:05:00",
-                      socket_ifname="eth0", kill_on_bad_exit=kill_on_bad_exit, max_restarts=3,
+                      socket_ifname="eth0", kill_on_bad_exit=kill_on_bad_exit, no_kill=no_kill, max_restarts=3,
                       lab_args=("--epochs", "3", "--no-reference", "--step-sleep-s", str(step_sleep_s),
                                 "--pg-timeout-s", "10"),
                       torchrun_args=("--monitor-interval=0.1", f"--rdzv-conf={ELASTIC_RDZV_CONF}"))
@@ -98,13 +101,14 @@ def inject(cluster: SlurmCluster, job_id: int, fault: str) -> None:
 
 
 def run_job(cluster: SlurmCluster, fault: str = "none", kill_on_bad_exit: bool = True,
-            timeout_s: float = 180.0) -> JobOutcome:
+            timeout_s: float = 180.0, no_kill: bool = False) -> JobOutcome:
     """Submit the elastic lab, inject `fault` on node1 after STEPS_BEFORE_FAULT steps at world 2, wait for the end."""
     if fault not in FAULTS:
         raise RequestError(f"fault must be one of {FAULTS} (got {fault!r}).")
     run_dir = cluster.folder / "jobs" / f"{fault}-kill{int(kill_on_bad_exit)}-{time.monotonic_ns()}"
     started = time.monotonic()
-    job_id = cluster.submit(render_sbatch(emulated_job(kill_on_bad_exit), gpus=False), env=job_environment(run_dir))
+    script = render_sbatch(emulated_job(kill_on_bad_exit, no_kill=no_kill), gpus=False)
+    job_id = cluster.submit(script, env=job_environment(run_dir))
     try:
         if fault != "none":
             _wait(lambda: _steps_at_two(run_dir) >= STEPS_BEFORE_FAULT or cluster.job(job_id)["JobState"] not in

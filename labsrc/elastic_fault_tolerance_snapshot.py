@@ -1,19 +1,27 @@
 """A snapshot file that is whole or refused: written atomically with a digest, loaded with weights_only=True.
 
-    save_atomic(state, folder / "snapshot.pt")   # temp file in the same folder, fsync, os.replace
+    save_atomic(state, folder / "snapshot.pt")   # temp file in the same folder, fsync, os.replace, fsync the folder
     state = load_checked(folder / "snapshot.pt") # SnapshotCorrupt if torn or changed, never half-loaded
+    crash_mid_write(save_atomic, state, path)    # the same save in a child SIGKILLed half-way through its write
+    save_keeping(state, folder, step, keep=2)    # snapshot-<step>.pt, the older ones beyond `keep` removed
+    state, path, refused = load_latest(folder)   # the newest whole one; a refused one falls back to the previous
 
 Layout of the file: the bytes of torch.save(state), then a 32-byte SHA-256 of those bytes, then MAGIC.
 A file cut short by a crash loses its trailer (or its digest no longer matches) and is refused.
 """
 from __future__ import annotations
 
+import builtins
 import hashlib
 import io
 import os
+import signal
 from pathlib import Path
+from typing import Callable
 
 import torch
+
+from labsrc.core import forked
 
 MAGIC = b"LABSRC-SNAPSHOT-1"
 DIGEST_BYTES = 32
@@ -79,9 +87,75 @@ def load_checked(path: Path | str) -> dict:
     return decode(path.read_bytes(), str(path))
 
 
-def write_torn(state: dict, path: Path | str, fraction: float = 0.5) -> Path:
-    """What a crash mid-write leaves: the first `fraction` of the bytes in the temp file (the real one untouched)."""
-    data = encode(state)
-    temporary = temp_path(Path(path))
-    write_bytes_durably(temporary, data[:int(len(data) * fraction)])
-    return temporary
+SNAPSHOT_GLOB = "snapshot-*.pt"
+
+
+def snapshot_path(folder: Path | str, step: int) -> Path:
+    return Path(folder) / f"snapshot-{step:08d}.pt"
+
+
+def snapshots(folder: Path | str) -> list[Path]:
+    """The snapshots in folder, newest (highest step) first; temporary files are not snapshots."""
+    return sorted(Path(folder).glob(SNAPSHOT_GLOB), reverse=True)
+
+
+def save_keeping(state: dict, folder: Path | str, step: int, keep: int = 2) -> Path:
+    """save_atomic to snapshot-<step>.pt, then remove all but the newest `keep` (never the one just written)."""
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1 (got {keep})")
+    path = save_atomic(state, snapshot_path(folder, step))
+    for old in snapshots(folder)[keep:]:
+        old.unlink(missing_ok=True)
+    return path
+
+
+def load_latest(folder: Path | str) -> tuple[dict | None, Path | None, list[str]]:
+    """(state, its path, what was refused on the way): the newest snapshot that loads whole, trying older ones
+    when a newer one is refused; (None, None, refusals) when none is left."""
+    refused = []
+    for path in snapshots(folder):
+        try:
+            return load_checked(path), path, refused
+        except SnapshotCorrupt as exc:
+            refused.append(str(exc))
+    return None, None, refused
+
+
+def die_mid_write(fraction: float = 0.5) -> None:
+    """From now on in this process, the next file opened for writing receives the first `fraction` of the bytes
+    of its first write, and then the process is SIGKILLed: a crash in the middle of whatever save runs next."""
+    real_open = builtins.open
+
+    def dying_open(file, mode="r", *args, **kwargs):
+        handle = real_open(file, mode, *args, **kwargs)
+        if not any(flag in mode for flag in "wax+"):
+            return handle
+        real_write = handle.write
+
+        def write(data):
+            real_write(data[:int(len(data) * fraction)])
+            handle.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        handle.write = write
+        return handle
+
+    builtins.open = io.open = dying_open
+
+
+def _save_and_die(save: Callable, state: dict, path: Path) -> None:
+    die_mid_write()
+    save(state, path)
+    os._exit(3)  # the save wrote nothing through open(): not killed
+
+
+def crash_mid_write(save: Callable, state: dict, path: Path | str, timeout_s: float = 60.0) -> int:
+    """Run save(state, path) in a child process that is SIGKILLed half-way through writing; its exit status
+    (-9 when the kill happened). What the crash leaves on disk is what the next attempt finds."""
+    child = forked.process(_save_and_die, (save, state, Path(path)))
+    child.start()
+    child.join(timeout_s)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        raise TimeoutError(f"save did not write within {timeout_s:g} s")
+    return child.exitcode

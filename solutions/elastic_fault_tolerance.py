@@ -8,7 +8,8 @@ from labsrc.elastic_fault_tolerance import capture_rng, restore_rng
 
 
 def save(run, path):
-    """Everything the next step depends on, written to a temp file in the same folder, fsynced, then renamed."""
+    """Everything the next step depends on, written to a temp file in the same folder, fsynced, renamed, and the
+    folder fsynced (the rename is an entry in the folder: without it a power cut can undo it)."""
     state = {"step": run.steps_done, "model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
              "scheduler": run.scheduler.state_dict(), "scaler": run.scaler.state_dict(),
              "sampler": run.sampler.state_dict(), "rng": capture_rng()}
@@ -19,6 +20,11 @@ def save(run, path):
         handle.flush()
         os.fsync(handle.fileno())
     os.replace(temporary, path)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
 
 
 def load(run, path):

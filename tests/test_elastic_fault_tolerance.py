@@ -1,4 +1,6 @@
 """Lesson 10: snapshots are whole or refused, a resumed run equals an uninterrupted one, restarts and nodes re-form."""
+import signal
+
 import pytest
 import torch
 
@@ -6,15 +8,18 @@ from labsrc import elastic_fault_tolerance as eft
 from labsrc import elastic_fault_tolerance_analysis as analysis
 from labsrc.core.forked import run_ranks
 from labsrc.core.world import RequestError
-from labsrc.elastic_fault_tolerance_snapshot import SnapshotCorrupt, load_checked, save_atomic, temp_path, write_torn
+from labsrc.elastic_fault_tolerance_snapshot import (SnapshotCorrupt, crash_mid_write, load_checked, save_atomic,
+                                                     temp_path)
 from labsrc.labs.elastic_fault_tolerance import Options, Resume
 
 
 def test_a_crash_mid_write_leaves_the_previous_snapshot_in_place(tmp_path):
     path = tmp_path / "snapshot.pt"
     save_atomic({"step": 4, "weights": torch.arange(6.0)}, path)
-    torn = write_torn({"step": 6, "weights": torch.arange(6.0) * 2}, path)
-    assert torn == temp_path(path) and torn.exists() and torn.stat().st_size > 0
+    status = crash_mid_write(save_atomic, {"step": 6, "weights": torch.arange(6.0) * 2}, path)
+    assert status == -signal.SIGKILL
+    torn = temp_path(path)
+    assert torn.exists() and 0 < torn.stat().st_size < path.stat().st_size
     state = load_checked(path)
     assert state["step"] == 4 and torch.equal(state["weights"], torch.arange(6.0))
     with pytest.raises(SnapshotCorrupt, match="cut short"):
@@ -161,6 +166,39 @@ def test_the_cpu_variant_asks_for_no_gpus_and_names_gloos_interface(tmp_path):
     assert "#SBATCH --gpus-per-node=1\n" in gpu and "NCCL_SOCKET_IFNAME=eth0" in gpu and "GLOO_" not in gpu
     assert "--kill-on-bad-exit=0" in cpu and "--kill-on-bad-exit=1" in render_sbatch(ClusterJob())
     assert "--max-restarts=3 --monitor-interval=0.1 \\\n" in cpu
+
+
+def test_an_elastic_slurm_job_keeps_its_surviving_nodes():
+    """Elastic (min_nodes < nodes): no srun --kill-on-bad-exit=1 (it would end the survivors) and sbatch --no-kill
+    (Slurm would end the job on a lost node); a fixed-size job keeps Slurm's fail-fast defaults."""
+    from labsrc.elastic_fault_tolerance_cluster import ClusterJob, render_sbatch
+    elastic, fixed = render_sbatch(ClusterJob(nodes=4, min_nodes=2)), render_sbatch(ClusterJob(nodes=4))
+    assert "--kill-on-bad-exit=0" in elastic and "#SBATCH --no-kill\n" in elastic and "--nnodes=2:4" in elastic
+    assert "--kill-on-bad-exit=1" in fixed and "#SBATCH --no-kill" not in fixed
+
+
+def test_the_store_setting_the_demos_need_is_in_every_template_and_pinned_to_the_torch_it_was_checked_on():
+    """The launcher runs restarts and nodes with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (without it torch 2.14.1's
+    rejoining node timed out waiting for role_info): the cluster scripts must set it too, torch must still read
+    it, and a torch outside the checked versions fails here until the 10b run is tried again without it."""
+    import os
+    from unittest import mock
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+    from labsrc.core.launch import OWN_STORE_ENV, OWN_STORE_TORCH, child_environment
+    from labsrc.elastic_fault_tolerance_cluster import ClusterJob, render_node_command, render_sbatch
+    job = ClusterJob(nodes=2, min_nodes=1)
+    for text in (render_sbatch(job), render_sbatch(job, gpus=False), render_node_command(job, 1)):
+        assert f"export {OWN_STORE_ENV}=1" in text
+    env = child_environment(2, __import__("pathlib").Path("/tmp"), "x", None, None, True, None)
+    assert env[OWN_STORE_ENV] == "1"
+    with mock.patch.dict(os.environ, {OWN_STORE_ENV: "1"}):
+        assert DynamicRendezvousHandler.use_agent_store.fget(None) is False, "torch no longer reads the opt-out"
+    with mock.patch.dict(os.environ, {OWN_STORE_ENV: "0"}):
+        assert DynamicRendezvousHandler.use_agent_store.fget(None) is True
+    version = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    assert OWN_STORE_TORCH[0] <= version <= OWN_STORE_TORCH[1], \
+        f"torch {torch.__version__} is outside {OWN_STORE_TORCH}: run 10b's membership demo without {OWN_STORE_ENV} " \
+        f"(launch.start(..., env={{'{OWN_STORE_ENV}': '0'}})) and update OWN_STORE_TORCH and the lessons"
 
 
 @pytest.mark.parametrize("values, message", [

@@ -25,10 +25,19 @@ def state_of(run, leave_out=()):
     return {k: v for k, v in state.items() if k not in leave_out}
 
 
-def atomic(state, path):
-    temporary = Path(str(path) + ".tmp")
-    torch.save(state, temporary)
+def atomic(state, path, fsync_file=True, fsync_folder=True, temporary=None):
+    """The reference's write, with each durability step removable (the planted mistakes below)."""
+    temporary = temporary or Path(str(path) + ".tmp")
+    with open(temporary, "wb") as handle:
+        torch.save(state, handle)
+        handle.flush()
+        if fsync_file:
+            os.fsync(handle.fileno())
     os.replace(temporary, path)
+    if fsync_folder:
+        folder = os.open(Path(path).parent, os.O_RDONLY)
+        os.fsync(folder)
+        os.close(folder)
 
 
 def save_without(part):
@@ -51,12 +60,35 @@ def save_in_place(run, path):
     torch.save(state_of(run), path)
 
 
+def save_with_the_old_hint(run, path):
+    atomic(state_of(run), path, temporary=path + ".tmp")  # str + on a Path: TypeError in the child
+
+
+def save_without_fsync(run, path):
+    atomic(state_of(run), path, fsync_file=False)
+
+
+def save_without_folder_fsync(run, path):
+    atomic(state_of(run), path, fsync_folder=False)
+
+
+def save_elsewhere(run, path):
+    # another folder, on the same file system here (so os.replace works, and only the check can see it)
+    other = Path(path).parent / "elsewhere"
+    other.mkdir(exist_ok=True)
+    atomic(state_of(run), path, temporary=other / "snapshot.tmp")
+
+
 @pytest.mark.parametrize("wrong_save, named", [
     (save_without("rng"), "RNG state"),
     (save_without("sampler"), "sampler position"),
     (save_without("optimizer"), "optimizer state"),
     (save_without("step"), "step counter"),
     (save_in_place, "not atomic"),
+    (save_with_the_old_hint, "save\\(\\) raised TypeError"),
+    (save_without_fsync, "no os.fsync of the temporary file"),
+    (save_without_folder_fsync, "no os.fsync of the folder"),
+    (save_elsewhere, "in another folder"),
 ])
 def test_planted_mistakes_are_named(wrong_save, named):
     with pytest.raises(ExerciseFailed, match=named):

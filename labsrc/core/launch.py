@@ -30,6 +30,9 @@ __all__ = ["start", "run", "Launch", "RunResult", "LaunchError", "LaunchTimeout"
 
 FAILED_PEER_GRACE_S = 10.0  # after one node's agent fails, the others get this long to end by themselves
 ELASTIC_RDZV_CONF = "last_call_timeout=3,join_timeout=60,keep_alive_interval=2,keep_alive_max_attempt=3"
+OWN_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch's opt-out of sharing the rendezvous store with ranks
+# torch versions the course runs restarts and nodes on with OWN_STORE_ENV=1 (the failure without it: 2.14.1)
+OWN_STORE_TORCH = ((2, 11), (2, 14))
 
 
 def torchrun_command(target: Target, nproc: int, nodes: Nodes, target_args: list[str], run_id: str,
@@ -65,10 +68,11 @@ def child_environment(ranks: int, run_dir: Path, run_id: str, backend: str | Non
                                                     env.get("PYTHONPATH")])),
     })
     if own_store:
-        # Each attempt's ranks build a fresh store: with torchrun's shared one, a joining node deadlocks on
-        # MASTER_ADDR, and on torch 2.14 a restarted attempt's gloo ranks were seen dialling the previous
-        # attempt's (dead) addresses ("connectFullMesh failed ... Connection refused").
-        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+        # Each attempt's ranks build a fresh store (OWN_STORE_ENV): with torchrun's shared one, on torch 2.14.1 a
+        # rejoining node's agent timed out in _assign_worker_ranks waiting for role_info (10b's membership run),
+        # and a restarted attempt's gloo ranks were seen dialling the previous attempt's (dead) addresses
+        # ("connectFullMesh failed ... Connection refused"). Lessons 10/10b and cluster/ say so.
+        env[OWN_STORE_ENV] = "1"
     if backend:
         env[BACKEND_ENV] = backend
     if profile:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import socket
 import time
 from dataclasses import dataclass
@@ -21,11 +20,12 @@ from labsrc.core.lab import run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record, current_attempt
 from labsrc.core.world import RequestError
-from labsrc.elastic_fault_tolerance import Setup, Training, load_snapshot, part_fingerprints, save_snapshot
-from labsrc.elastic_fault_tolerance_snapshot import SnapshotCorrupt, save_atomic, write_torn
+from labsrc.elastic_fault_tolerance import Setup, Training, part_fingerprints, restore, save_snapshot
+from labsrc.elastic_fault_tolerance_snapshot import (SnapshotCorrupt, die_mid_write, load_latest, save_atomic,
+                                                     save_keeping, snapshot_path)
 
 FAILURES = ("exception", "kill", "hang")
-SNAPSHOT_FILE = "snapshots/snapshot.pt"
+SNAPSHOT_FOLDER = "snapshots"  # snapshot-<step>.pt, the newest keep_snapshots of them
 
 
 @dataclass
@@ -39,6 +39,8 @@ class Options(LabOptions):
     """Seeds the random steps the failures happen at."""
     snapshot_every: int = 2
     """Steps between snapshots (each one costs a gather of RNG states and one file write)."""
+    keep_snapshots: int = 2
+    """Snapshots kept on disk: a refused newest one (torn or changed) falls back to the one before."""
     epochs: int = 3
     """Epochs of the 48-sample training set (6 steps each at the global batch of 8)."""
     step_sleep_s: float = 0.0
@@ -52,6 +54,7 @@ class Options(LabOptions):
         if unknown:
             raise RequestError(f"failures {unknown} unknown: use any of {list(FAILURES)}, one per attempt.")
         positive("snapshot_every", self.snapshot_every)
+        positive("keep_snapshots", self.keep_snapshots)
         positive("epochs", self.epochs)
         positive("step_sleep_s", self.step_sleep_s, allow_zero=True)
         steps = self.epochs * Setup().steps_per_epoch
@@ -74,12 +77,15 @@ class Resume(Record):
     resumed_from_step: int
     """Steps already done in the snapshot it loaded (0: started from scratch)."""
     snapshot: str
-    """'loaded', 'none' (no snapshot yet) or 'refused' (torn or changed, with refused_why)."""
+    """'loaded', 'none' (no snapshot yet) or 'refused' (every kept one torn or changed, with refused_why)."""
     refused_why: str = ""
+    """Why newer snapshots were refused (also when an older one then loaded: the fallback)."""
     rng: str = ""
     """How this rank's RNG state was restored."""
     host: str = ""
     """The host name of the machine (node) it ran on: node0, node1 on the emulated Slurm cluster."""
+    own_store: str = ""
+    """TORCH_DISABLE_SHARE_RDZV_TCP_STORE as this process saw it ('1': a fresh store per start, not torchrun's)."""
 
 
 @dataclass
@@ -159,44 +165,48 @@ def fail_now(ctx, records, kind: str, step: int) -> None:
         time.sleep(3600)  # never joins the next collective; the others time out, torchrun ends this process
 
 
-def resume(ctx, records, run: Training, path: Path) -> None:
-    """Load the last whole snapshot if there is one; a torn or changed one is refused (and the run fails)."""
-    found, why, rng = "none", "", "fresh seeds (no snapshot)"
-    if path.exists():
-        try:
-            rng = load_snapshot(run, path)
-            found = "loaded"
-            records.write(StateFingerprint(run="resumed", step=run.steps_done, parts=part_fingerprints(run)))
-        except SnapshotCorrupt as exc:
-            found, why = "refused", str(exc)
+def resume(ctx, records, run: Training, folder: Path) -> None:
+    """Load the newest whole snapshot if there is one; a torn or changed one is refused and the one before it tried
+    (the run fails only when every kept snapshot is refused)."""
+    found, rng = "none", "fresh seeds (no snapshot)"
+    state, _, refused = load_latest(folder)
+    why = "; ".join(refused)
+    if state is not None:
+        rng = restore(run, state)
+        found = "loaded"
+        records.write(StateFingerprint(run="resumed", step=run.steps_done, parts=part_fingerprints(run)))
+    elif refused:
+        found = "refused"
     records.write(Resume(restart_count=current_attempt(), world_size=ctx.world_size,
                          node_rank=int(os.environ.get("GROUP_RANK", 0)), pid=os.getpid(),
                          started_wall=time.time(), resumed_from_step=run.steps_done, snapshot=found,
-                         refused_why=why, rng=rng, host=socket.gethostname()))
+                         refused_why=why, rng=rng, host=socket.gethostname(),
+                         own_store=os.environ.get("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "")))
     if found == "refused":
         raise SnapshotCorrupt(why)
     print(f"world {ctx.world_size}: resumed from step {run.steps_done} ({found}); RNG {rng}", flush=True)
 
 
-def save(ctx, records, run: Training, path: Path, planted: str | None) -> None:
-    """A snapshot; with planted 'kill', rank 0 dies half-way through writing it (the temp file torn)."""
+def save(ctx, records, run: Training, folder: Path, keep: int, planted: str | None) -> None:
+    """A snapshot, the newest `keep` kept; with planted 'kill', rank 0 dies half-way through writing it."""
     start = time.perf_counter()
+    path = snapshot_path(folder, run.steps_done)
     if planted == "kill":
-        def torn_then_killed(state, target):
-            write_torn(state, target)
+        def killed_mid_write(state, target):  # the course's own save, SIGKILLed half-way through its write
             records.write(Failure(failure="kill", step=run.steps_done, wall=time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
-        save_snapshot(run, path, write=torn_then_killed)
+            die_mid_write()
+            save_atomic(state, target)
+        save_snapshot(run, path, write=killed_mid_write)
     else:
-        save_snapshot(run, path, write=save_atomic)
+        save_snapshot(run, path, write=lambda state, _: save_keeping(state, folder, run.steps_done, keep))
     if ctx.rank == 0:
         records.write(SnapshotSaved(step=run.steps_done, seconds=time.perf_counter() - start, wall=time.time()))
 
 
-def train(ctx, records, options: Options, run: Training, label: str, path: Path | None) -> None:
+def train(ctx, records, options: Options, run: Training, label: str, folder: Path | None) -> None:
     """Steps until the setup's total; snapshots every snapshot_every steps; this attempt's planted failure."""
     attempt = current_attempt()
-    planted = options.failures[attempt] if path is not None and attempt < len(options.failures) else None
+    planted = options.failures[attempt] if folder is not None and attempt < len(options.failures) else None
     due = failure_steps(options, run.setup.total_steps)[attempt] if planted else None
     while run.steps_done < run.setup.total_steps:
         epoch, ids, loss = run.step()
@@ -204,7 +214,7 @@ def train(ctx, records, options: Options, run: Training, label: str, path: Path 
                                 world_size=ctx.world_size, wall=time.time()))
         records.progress(run.steps_done, run.setup.total_steps, unit="steps")
         time.sleep(options.step_sleep_s)
-        if path is None:
+        if folder is None:
             records.write(StateFingerprint(run=label, step=run.steps_done, parts=part_fingerprints(run)))
             continue
         last_rank = ctx.rank == ctx.world_size - 1
@@ -212,7 +222,7 @@ def train(ctx, records, options: Options, run: Training, label: str, path: Path 
             fail_now(ctx, records, planted, run.steps_done)
         if run.steps_done % options.snapshot_every == 0 or run.steps_done == run.setup.total_steps:
             kill = planted == "kill" and run.steps_done >= due and run.steps_done < run.setup.total_steps
-            save(ctx, records, run, path, "kill" if kill else None)
+            save(ctx, records, run, folder, options.keep_snapshots, "kill" if kill else None)
 
 
 def finish(ctx, records, run: Training, run_dir: Path, label: str) -> None:
@@ -229,9 +239,9 @@ def body(ctx, records, options: Options) -> dict:
         train(ctx, records, options, reference, "reference", None)
         finish(ctx, records, reference, run_dir, "reference")
     run = Training.build(ctx, setup)
-    path = run_dir / SNAPSHOT_FILE
-    resume(ctx, records, run, path)
-    train(ctx, records, options, run, "resumable", path)
+    folder = run_dir / SNAPSHOT_FOLDER
+    resume(ctx, records, run, folder)
+    train(ctx, records, options, run, "resumable", folder)
     finish(ctx, records, run, run_dir, "final")
     return {"steps": run.steps_done, "attempt": current_attempt(), "world_size": ctx.world_size}
 
