@@ -52,8 +52,8 @@ class ClusterJob:
     job, off for an elastic one (min_nodes < nodes), whose surviving nodes must run on; True on an elastic job
     defeats it (tests/test_slurm_cluster.py shows the survivor killed)."""
     no_kill: bool | None = None
-    """sbatch --no-kill: keep the job when a node of its allocation fails (by default Slurm ends the whole job,
-    NODE_FAIL). None: on for an elastic job."""
+    """sbatch and srun --no-kill: keep the job and its step when a node of the allocation fails (by default Slurm
+    ends the whole job, NODE_FAIL). None: on for an elastic job."""
     torchrun_args: tuple[str, ...] = ()
     """Extra torchrun flags (the sbatch script), e.g. ("--monitor-interval=0.1", "--rdzv-conf=last_call_timeout=3")."""
 
@@ -118,6 +118,13 @@ def kill_on_bad_exit(job: ClusterJob) -> bool:
     return not job.elastic if job.kill_on_bad_exit is None else job.kill_on_bad_exit
 
 
+def no_kill(job: ClusterJob) -> bool:
+    """--no-kill for `job` (sbatch and srun): its own setting, else on for an elastic job only. Both are needed:
+    sbatch's keeps the allocation, and it does not reach the steps (it sets no SLURM_NO_KILL; `man sbatch`), so a
+    step on a failed node is still killed unless srun asks for --no-kill itself."""
+    return job.elastic if job.no_kill is None else job.no_kill
+
+
 def render_sbatch(job: ClusterJob, gpus: bool = True) -> str:
     """The Slurm batch script: one task per node, torchrun in each, rendezvous on the first allocated host.
 
@@ -129,8 +136,8 @@ def render_sbatch(job: ClusterJob, gpus: bool = True) -> str:
                   interface_exports=(NCCL_EXPORTS.format(ifname=job.socket_ifname, hca=job.ib_hca) if gpus
                                      else GLOO_EXPORTS.format(ifname=job.socket_ifname)),
                   kill_on_bad_exit=str(int(kill_on_bad_exit(job))),
-                  no_kill_directive="#SBATCH --no-kill\n" if (job.elastic if job.no_kill is None else job.no_kill)
-                  else "",
+                  no_kill_directive="#SBATCH --no-kill\n" if no_kill(job) else "",
+                  srun_no_kill=" --no-kill" if no_kill(job) else "",
                   torchrun_args="".join(f" {shlex.quote(arg)}" for arg in job.torchrun_args))
     return render("sbatch_torchrun.sh.template", values)
 

@@ -169,12 +169,13 @@ def test_the_cpu_variant_asks_for_no_gpus_and_names_gloos_interface(tmp_path):
 
 
 def test_an_elastic_slurm_job_keeps_its_surviving_nodes():
-    """Elastic (min_nodes < nodes): no srun --kill-on-bad-exit=1 (it would end the survivors) and sbatch --no-kill
-    (Slurm would end the job on a lost node); a fixed-size job keeps Slurm's fail-fast defaults."""
+    """Elastic (min_nodes < nodes): no srun --kill-on-bad-exit=1 (it would end the survivors), --no-kill on sbatch
+    (Slurm would end the job on a lost node) and on srun (the step would die with its lost node); a fixed-size job
+    keeps Slurm's fail-fast defaults."""
     from labsrc.elastic_fault_tolerance_cluster import ClusterJob, render_sbatch
     elastic, fixed = render_sbatch(ClusterJob(nodes=4, min_nodes=2)), render_sbatch(ClusterJob(nodes=4))
-    assert "--kill-on-bad-exit=0" in elastic and "#SBATCH --no-kill\n" in elastic and "--nnodes=2:4" in elastic
-    assert "--kill-on-bad-exit=1" in fixed and "#SBATCH --no-kill" not in fixed
+    assert "--kill-on-bad-exit=0 --no-kill \\\n" in elastic and "#SBATCH --no-kill\n" in elastic and "--nnodes=2:4" in elastic
+    assert "srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\\n" in fixed and "#SBATCH --no-kill" not in fixed
 
 
 def test_the_store_setting_the_demos_need_is_in_every_template_and_pinned_to_the_torch_it_was_checked_on():

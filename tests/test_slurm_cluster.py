@@ -98,6 +98,17 @@ def test_node1s_link_cut(cluster, kill_on_bad_exit):
         "node1 is back in service once its link is restored (ReturnToService=2)"
 
 
+def test_node1s_link_cut_with_no_kill_on_the_job_and_its_step(cluster):
+    """What render_sbatch writes for an elastic job: sbatch --no-kill keeps the allocation, srun --no-kill keeps the
+    step (sbatch's alone does not reach it: `man sbatch`), --kill-on-bad-exit=0: node0 re-forms alone and finishes,
+    and Slurm calls the job COMPLETED."""
+    from labsrc.elastic_fault_tolerance_slurm import run_job
+    outcome = run_job(cluster, "cut_link", kill_on_bad_exit=False, no_kill=True, timeout_s=240)
+    assert (outcome.state, outcome.exit_code) == ("COMPLETED", "0:0"), (outcome, outcome.output[-3000:])
+    assert outcome.hosts_at_world_2 == {"node0", "node1"}
+    assert (1, "node0", 1) in outcome.starts and outcome.finished_world == 1, outcome.starts
+
+
 def test_a_killed_launcher_leaves_nothing_behind():
     """SIGKILL the process that started a cluster: every Slurm process and namespace dies with it; the folder goes
     at the next start."""

@@ -68,9 +68,10 @@ def child_environment(ranks: int, run_dir: Path, run_id: str, backend: str | Non
                                                     env.get("PYTHONPATH")])),
     })
     if own_store:
-        # Each attempt's ranks build a fresh store (OWN_STORE_ENV): with torchrun's shared one, on torch 2.14.1 a
-        # rejoining node's agent timed out in _assign_worker_ranks waiting for role_info (10b's membership run),
-        # and a restarted attempt's gloo ranks were seen dialling the previous attempt's (dead) addresses
+        # Each attempt's ranks build a fresh store (OWN_STORE_ENV) instead of the one node rank 0's agent keeps for
+        # its life: with that one, on torch 2.14.1, 10b's rejoin timed out in _assign_worker_ranks waiting for
+        # role_info (an agent that knows the store's address does not publish it in a later round), and a restarted
+        # attempt's gloo ranks were seen dialling the previous attempt's (dead) addresses, still in the kept store
         # ("connectFullMesh failed ... Connection refused"). Lessons 10/10b and cluster/ say so.
         env[OWN_STORE_ENV] = "1"
     if backend:
