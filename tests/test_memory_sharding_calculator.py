@@ -29,6 +29,18 @@ def test_fp32_gradient_layouts_cost_18_and_20_bytes():
     assert sum(calculator.model_state_bytes(1, 1, 0, "bf16 + fp32 grads").values()) == 20
 
 
+@pytest.mark.parametrize("tensor, pipeline", [(8, 1), (1, 4), (8, 4)])
+def test_model_parallel_degrees_divide_each_gpus_model_states(tensor, pipeline):
+    """TP cuts every weight matrix over t ranks (Megatron splits the embedding by vocabulary too), PP gives each stage
+    L/p layers: t x p fewer bytes per GPU at the same data-parallel degree (per_rank spreads the embedding and head
+    evenly over the stages, where a real first and last stage hold them)."""
+    base = calculator.Setup(calculator.PRESETS["70B"], gpus=8, zero_stage=1)
+    split = calculator.per_rank(calculator.Setup(calculator.PRESETS["70B"], gpus=8 * tensor * pipeline, zero_stage=1,
+                                                 tensor_parallel=tensor, pipeline_parallel=pipeline))
+    for category in ("parameters", "gradients", "optimizer"):
+        assert split[category] == pytest.approx(calculator.per_rank(base)[category] / (tensor * pipeline), rel=1e-12)
+
+
 def test_activation_variants_agree_where_they_must():
     plain = calculator.activation_bytes_per_layer(2048, 1, 4096, 32)
     assert plain == calculator.activation_bytes_per_layer(2048, 1, 4096, 32, 1, True)  # t = 1: SP changes nothing
