@@ -72,6 +72,17 @@ def save_without_folder_fsync(run, path):
     atomic(state_of(run), path, fsync_folder=False)
 
 
+def save_synced_before_writing(run, path):
+    temporary = Path(str(path) + ".tmp")
+    with open(temporary, "wb") as handle:
+        os.fsync(handle.fileno())  # too early: the bytes come after it
+        torch.save(state_of(run), handle)
+    os.replace(temporary, path)
+    folder = os.open(Path(path).parent, os.O_RDONLY)
+    os.fsync(folder)
+    os.close(folder)
+
+
 def save_elsewhere(run, path):
     # another folder, on the same file system here (so os.replace works, and only the check can see it)
     other = Path(path).parent / "elsewhere"
@@ -88,6 +99,7 @@ def save_elsewhere(run, path):
     (save_with_the_old_hint, "save\\(\\) raised TypeError"),
     (save_without_fsync, "no os.fsync of the temporary file"),
     (save_without_folder_fsync, "no os.fsync of the folder"),
+    (save_synced_before_writing, "fsynced when it held 0 of its"),
     (save_elsewhere, "in another folder"),
 ])
 def test_planted_mistakes_are_named(wrong_save, named):

@@ -49,7 +49,8 @@ def _killed_mid_write(real_save):
 
 
 class _FileCalls:
-    """Records the learner's os.fsync / os.replace / os.rename calls in the child, in order, then does them."""
+    """Records os.fsync / os.replace / os.rename calls, in order, with the file's size on disk at each, then does
+    them: [fsync, file|folder, path, size] and [replace|rename, source, target, source size]."""
 
     def __init__(self):
         self.calls: list[list] = []
@@ -58,17 +59,32 @@ class _FileCalls:
     def install(self) -> None:
         def fsync(fd):
             fd_number = fd if isinstance(fd, int) else fd.fileno()
-            kind = "folder" if stat.S_ISDIR(os.fstat(fd_number).st_mode) else "file"
-            self.calls.append(["fsync", kind, os.readlink(f"/proc/self/fd/{fd_number}")])
+            status = os.fstat(fd_number)
+            kind = "folder" if stat.S_ISDIR(status.st_mode) else "file"
+            self.calls.append(["fsync", kind, os.readlink(f"/proc/self/fd/{fd_number}"), status.st_size])
             return self.fsync(fd)
 
         def moved(real, name):
             def move(src, dst, *args, **kwargs):
-                self.calls.append([name, os.path.realpath(src), os.path.realpath(dst)])
+                self.calls.append([name, os.path.realpath(src), os.path.realpath(dst), os.stat(src).st_size])
                 return real(src, dst, *args, **kwargs)
             return move
 
         os.fsync, os.replace, os.rename = fsync, moved(self.replace, "replace"), moved(self.rename, "rename")
+
+    def uninstall(self) -> None:
+        os.fsync, os.replace, os.rename = self.fsync, self.replace, self.rename
+
+
+def file_calls(save: Callable, *args) -> list[list]:
+    """The fsync / replace / rename calls save(*args) makes in this process (see _FileCalls), for durability_mistakes."""
+    calls = _FileCalls()
+    calls.install()
+    try:
+        save(*args)
+    finally:
+        calls.uninstall()
+    return calls.calls
 
 
 def _train_then_die(save: Callable, path: Path, report: Path) -> None:
@@ -102,17 +118,22 @@ def durability_mistakes(calls: list[list], path: Path) -> list[str]:
     if not moves:
         return [f"no os.replace onto {path.name}: write a temporary file, then os.replace it onto the real path "
                 f"(the rename is what makes the write atomic)"]
-    _, source, target = moves[-1]
+    _, source, target, size = moves[-1]
     at = calls.index(moves[-1])
     wrong = []
     if os.path.dirname(source) != os.path.dirname(target):
         wrong.append(f"the temporary file is in another folder ({os.path.dirname(source)}): os.replace is atomic "
                      f"only within one file system, and across two it fails; put it next to the snapshot "
                      f"(Path(str(path) + '.tmp'))")
-    if not any(c[:2] == ["fsync", "file"] and c[2] == source for c in calls[:at]):
+    synced = [c[3] for c in calls[:at] if c[:3] == ["fsync", "file", source]]
+    if not synced:
         wrong.append("no os.fsync of the temporary file before os.replace: after a power cut the new name can "
                      "point at a file whose bytes never reached the disk (handle.flush(); "
                      "os.fsync(handle.fileno()))")
+    elif max(synced) < size:
+        wrong.append(f"the temporary file was fsynced when it held {max(synced)} of its {size} bytes: the rest "
+                     f"were written (or left in Python's buffer) after the fsync. Write everything, "
+                     f"handle.flush(), then os.fsync(handle.fileno())")
     if not any(c[:2] == ["fsync", "folder"] and c[2] == os.path.dirname(target) for c in calls[at + 1:]):
         wrong.append("no os.fsync of the folder after os.replace: the rename is an entry in the folder, and after "
                      "a power cut it can be lost (fd = os.open(folder, os.O_RDONLY); os.fsync(fd); os.close(fd))")
