@@ -66,6 +66,16 @@ def bias_split_over_ranks(x_slice, weight_shard, bias):
     return _Sum.apply(x_slice @ weight_shard.T + bias / dist.get_world_size())   # right forward, 1/n bias gradient
 
 
+class _SumAveragingBackward(_Sum):
+    @staticmethod
+    def backward(context, grad):
+        return grad / dist.get_world_size()
+
+
+def backward_averages(x_slice, weight_shard, bias):
+    return _SumAveragingBackward.apply(x_slice @ weight_shard.T) + bias   # right forward, 1/n input gradient
+
+
 def untracked_all_reduce(x_slice, weight_shard, bias):
     partial = x_slice @ weight_shard.T
     dist.all_reduce(partial, async_op=True).wait(datetime.timedelta(seconds=30))
@@ -84,6 +94,7 @@ def backward_all_reduces_too(x_slice, weight_shard, bias):
     (bias_missing, "bias is missing"),
     (bias_halved, "gradient of bias is 1/2"),
     (bias_split_over_ranks, "gradient of bias is 1/2"),
+    (backward_averages, "gradient of x_slice is 1/2 .* divide by 2"),
     (untracked_all_reduce, "autograd cannot see dist.all_reduce"),
     (backward_all_reduces_too, "gradient of x_slice is 2 times"),
 ])

@@ -230,3 +230,26 @@ def test_w_before_its_b_still_gives_gradients_but_is_named_on_the_timeline():
 def test_interleaved_needs_m_a_multiple_of_p():
     assert lab.runnable("interleaved_1f1b", 3, 4) and lab.runnable("interleaved_1f1b", 2, 4) is None
     assert lab.runnable("zero_bubble", 3, 4) is None
+
+
+def test_saved_activations_of_a_split_backward_are_freed_at_their_w():
+    """One stage, no messages: with B and W split, a micro-batch's activations leave the meter at its W (a meter
+    holding the saved output itself kept the graph alive in a cycle, and the names bound in the executor kept the
+    last one alive into the next forward), so the measured peak is what the list says, for W's early or late."""
+    from labsrc.pipeline_parallel import chunked
+    from labsrc.pipeline_parallel.chunked_executor import run_chunks
+    from labsrc.pipeline_parallel.executor import SavedTensorMeter
+    from labsrc.pipeline_parallel.stages import full_batch_loss, make_batch, make_model, split_model
+    module = split_model(make_model(64, 2, 0), 1, torch.device("cpu"))[0][1]
+    m = 4
+    inputs, targets = make_batch(8 * m, 64, 0, torch.device("cpu"))
+    one = SavedTensorMeter(module)
+    with torch.autograd.graph.saved_tensors_hooks(one.pack, one.unpack):
+        full_batch_loss(module(inputs[:8].clone().requires_grad_()), targets[:8])   # the one stage is the last
+    eager = [action for j in range(m) for action in (("F", j, 0), ("B", j, 0), ("W", j, 0))]
+    late = [("F", j, 0) for j in range(m)] + [("B", j, 0) for j in range(m)] + [("W", j, 0) for j in range(m)]
+    for actions in (eager, late):
+        meter = SavedTensorMeter(module)
+        run_chunks({0: module}, actions, 1, 1, inputs, targets, m, meter=meter)
+        assert meter.peak == chunked.kept_bytes_peak(actions, {0: one.peak})
+        assert meter.alive == 0

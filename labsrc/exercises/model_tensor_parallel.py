@@ -115,9 +115,13 @@ def _backward_verdict(pairs: dict, n: int) -> str | None:
             return (f"the gradient of {name} is {n} times the dense layer's: the backward of your sum over ranks "
                     "all-reduces the gradient again (torch.distributed.nn.functional.all_reduce does). Every rank "
                     "already holds the whole output's gradient: g's backward is the identity.")
-        if abs(ratio - 1 / n) < 1e-3:
+        if abs(ratio - 1 / n) < 1e-3 and name == "bias":
             return (f"the gradient of {name} is 1/{n} of the dense layer's: is the bias scaled by 1/n before the "
                     "sum? Add the whole bias once, after it.")
+        if abs(ratio - 1 / n) < 1e-3:
+            return (f"the gradient of {name} is 1/{n} of the dense layer's: does the backward of your sum over "
+                    f"ranks divide by {n} (an average)? Every rank already holds the whole output's gradient: g's "
+                    "backward is the identity.")
         return f"the gradient of {name} differs from the dense layer's by {float((got - expected).abs().max()):.3g}."
     return None
 

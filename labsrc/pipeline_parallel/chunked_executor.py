@@ -81,7 +81,8 @@ def _run(modules, actions, ranks, virtual_stages, inputs, targets, micro_batches
         if kind != "F" and (j, vs) in split:
             halves[(j, vs)] = halves.get((j, vs), 0) + 1
             if halves[(j, vs)] == 2:
-                kept.pop((j, vs))   # B and W both done: the graph and its saved activations can go
+                kept.pop((j, vs))   # B and W both done: the graph and its saved activations can go,
+                entry = stage_input = output = gradient = None   # with the names still bound to them here
     for (work, _), destination, j in sends:
         _wait_for_send(work, timeout, destination, j)
     return {"timeline": timeline, "sends": len(sends)}

@@ -35,7 +35,8 @@ class SavedTensorMeter:
             self.alive += tensor.numel() * tensor.element_size()
             self.peak = max(self.peak, self.alive)
         self.holders[pointer] = self.holders.get(pointer, 0) + 1
-        return _Held(tensor, self)
+        # detached: holding a saved output itself (and so its grad_fn) would keep the graph alive in a cycle
+        return _Held(tensor.detach(), self)
 
     @staticmethod
     def unpack(held):
