@@ -78,8 +78,11 @@ def live_storages(extra=()) -> dict[int, int]:
     storages = {}
     for candidate in [*gc.get_objects(), *extra]:
         if issubclass(type(candidate), torch.Tensor) and candidate.device.type != "meta":  # type(): no proxy warning
-            storage = candidate.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            try:
+                storage = candidate.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            except RuntimeError:  # a tensor with no memory of its own (fake, functional), e.g. left by a trace
+                continue
     return storages
 
 

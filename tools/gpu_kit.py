@@ -20,6 +20,9 @@ LIMIT_BYTES = 40 * 2**20
 # The image brings torch, torchvision, numpy and matplotlib at its own versions; Lab and playwright serve only a
 # browser, which that machine has not; nbmake runs the notebooks on an ipykernel.
 NOT_CARRIED = {"torch", "torchvision", "numpy", "matplotlib", "jupyterlab", "playwright"}
+# Wheels taken without their dependencies: each needs torch, which pip would otherwise fetch for the GPU machine's
+# Python (gigabytes, CUDA libraries included), and otherwise only what the image holds (torchdata: requests, urllib3).
+WITHOUT_DEPENDENCIES = {"torchdata"}
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux_2_12_x86_64", "manylinux2010_x86_64", "manylinux_2_5_x86_64", "manylinux1_x86_64", "any")
 
@@ -56,7 +59,11 @@ def build(dest: Path, python_version: str) -> list[Path]:
                    "--abi", "none", "-d", scratch]
         for platform in PLATFORMS:
             command += ["--platform", platform]
-        subprocess.run(command + course_requirements(), check=True)
+        wanted = course_requirements()
+        alone = [r for r in wanted if normalize(re.split(r"[=<>!~ ]", r)[0]) in WITHOUT_DEPENDENCIES]
+        subprocess.run(command + [r for r in wanted if r not in alone], check=True)
+        if alone:
+            subprocess.run(command + ["--no-deps"] + alone, check=True)
         if dest.exists():
             shutil.rmtree(dest)
         dest.mkdir(parents=True)
