@@ -207,8 +207,17 @@ def test_nothing_left_after_a_run_ends_or_fails(runs):
     assert_nothing_left(before, namespaces, started.run_id)
 
 
+@pytest.fixture
+def interruptible():
+    """SIGINT raising KeyboardInterrupt, as in a kernel: a shell's background job (`cmd &` without job control)
+    starts with SIGINT ignored, and then no Stop could reach the launch."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @needs_namespaces
-def test_nothing_left_after_an_interrupt(runs):
+def test_nothing_left_after_an_interrupt(runs, interruptible):
     before = machine_state()
     started = launch.start("setup", nproc=1, nnodes=2, link="1gbit", timeout=120, echo=False, hold_s=60)
     namespaces = network_namespaces(started.network)
