@@ -46,6 +46,23 @@ def full_batch_gradients(model, inputs, labels) -> list[np.ndarray]:
     return [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
 
 
+def _one_global_batch(strategy, inputs, labels):
+    """Each replica's share of one global batch, as experimental_distribute_dataset splits it."""
+    import tensorflow as tf
+    dataset = tf.data.Dataset.from_tensor_slices((inputs, labels)).batch(len(labels))
+    return next(iter(strategy.experimental_distribute_dataset(dataset)))
+
+
+def _replica_gradients(model, inputs, labels, global_batch: int, global_scaling: bool = True):
+    """One replica's gradients: its loss sum scaled by the GLOBAL batch (or, the mistake, its own mean)."""
+    import tensorflow as tf
+    with tf.GradientTape() as tape:
+        losses = per_example_loss(model, inputs, labels)
+        loss = (tf.nn.compute_average_loss(losses, global_batch_size=global_batch) if global_scaling
+                else tf.reduce_mean(losses))
+    return tape.gradient(loss, model.trainable_variables)
+
+
 def mirrored_gradients(strategy, model, inputs, labels, global_scaling: bool = True) -> list[np.ndarray]:
     """Gradients under strategy: each replica gets global_batch / replicas samples from the distributed dataset,
     scales its loss sum by the GLOBAL batch (compute_average_loss), and the replicas' gradients are summed.
@@ -54,18 +71,11 @@ def mirrored_gradients(strategy, model, inputs, labels, global_scaling: bool = T
     The model must have been built inside strategy.scope().
     """
     import tensorflow as tf
-    global_batch = len(labels)
-    dataset = tf.data.Dataset.from_tensor_slices((inputs, labels)).batch(global_batch)
-    shards = iter(strategy.experimental_distribute_dataset(dataset))
 
     def replica_step(replica_inputs, replica_labels):
-        with tf.GradientTape() as tape:
-            losses = per_example_loss(model, replica_inputs, replica_labels)
-            loss = (tf.nn.compute_average_loss(losses, global_batch_size=global_batch) if global_scaling
-                    else tf.reduce_mean(losses))
-        return tape.gradient(loss, model.trainable_variables)
+        return _replica_gradients(model, replica_inputs, replica_labels, len(labels), global_scaling)
 
-    per_replica = strategy.run(replica_step, args=next(shards))
+    per_replica = strategy.run(replica_step, args=_one_global_batch(strategy, inputs, labels))
     return [strategy.reduce(tf.distribute.ReduceOp.SUM, g, axis=None).numpy() for g in per_replica]
 
 
@@ -87,18 +97,12 @@ def mirrored_train_step(strategy, model, optimizer, inputs, labels) -> None:
     the global batch and calls optimizer.apply_gradients inside strategy.run, which all-reduces (sums) the
     replicas' gradients before every replica applies the same update. Model and optimizer built in strategy.scope()."""
     import tensorflow as tf
-    global_batch = len(labels)
-    dataset = tf.data.Dataset.from_tensor_slices((inputs, labels)).batch(global_batch)
-    shards = iter(strategy.experimental_distribute_dataset(dataset))
 
     def replica_step(replica_inputs, replica_labels):
-        with tf.GradientTape() as tape:
-            losses = per_example_loss(model, replica_inputs, replica_labels)
-            loss = tf.nn.compute_average_loss(losses, global_batch_size=global_batch)
-        gradients = tape.gradient(loss, model.trainable_variables)
+        gradients = _replica_gradients(model, replica_inputs, replica_labels, len(labels))
         optimizer.apply_gradients(zip(gradients, model.trainable_variables))
 
-    strategy.run(tf.function(replica_step), args=next(shards))
+    strategy.run(tf.function(replica_step), args=_one_global_batch(strategy, inputs, labels))
 
 
 def full_batch_train_step(model, optimizer, inputs, labels) -> None:
