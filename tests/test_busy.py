@@ -1,0 +1,32 @@
+"""labsrc.core.busy: the spread of identical timings, and a probe that tells a busy machine from a quiet one."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from labsrc.core import busy
+
+
+def test_spread_is_the_middle_80_percent_over_the_median():
+    assert busy.spread([1.0] * 5) == 0.0
+    assert busy.spread([1.0, 1.0, 1.0, 1.0, 2.0]) == pytest.approx(1.0)  # p90 is the 2.0 of five repeats
+    with pytest.raises(ValueError, match="at least 3 repeats"):
+        busy.spread([1.0, 2.0])
+
+
+def test_probe_sees_busy_neighbours_as_a_lost_share_of_the_core():
+    cores = len(os.sched_getaffinity(0))
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(3 * cores)]
+    try:
+        time.sleep(0.5)
+        loaded = busy.probe()
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    assert loaded.slowdown > busy.QUIET_SLOWDOWN, loaded
+    assert not loaded.quiet and "too busy to judge the fit" in loaded.verdict("the fit")
