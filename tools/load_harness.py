@@ -177,7 +177,13 @@ class Load:
                                                stderr=subprocess.DEVNULL))
 
     def stop(self) -> None:
-        kill_all([psutil.Process(p.pid) for p in self.procs if p.poll() is None])
+        started = []
+        for proc in self.procs:
+            try:
+                started.append(psutil.Process(proc.pid))
+            except psutil.Error:  # already gone
+                pass
+        kill_all(started)
         kill_all(tagged(self.tag))
         for proc in self.procs:
             proc.wait()
