@@ -5,7 +5,7 @@ PYTHON := $(VENV)/bin/python
 STAMP := $(VENV)/.stamp-installed
 NOTEBOOK_TIMEOUT ?= 300
 
-.PHONY: setup lab format-notebooks reset-notebooks test test-unit test-notebooks slides slides-figures doctor bench bench-nodes clean \
+.PHONY: setup lab format-notebooks reset-notebooks test test-unit test-notebooks test-load slides slides-figures doctor bench bench-nodes clean \
 	tensorflow test-tensorflow deepspeed test-deepspeed test-torch gpu-kit \
 	slurm-packages slurm-cluster slurm-cluster-stop test-slurm
 
@@ -70,6 +70,17 @@ test-unit: setup
 test-notebooks: setup
 	LABSRC_PROFILE=ci LABSRC_HEADLESS=1 MPLBACKEND=Agg $(PYTHON) -m pytest notebooks \
 		--nbmake --nbmake-timeout=$(NOTEBOOK_TIMEOUT)
+
+# The notebooks under classroom load (tools/load_harness.py; not part of `make test`): RUNS runs of each of NOTEBOOKS
+# (numbers; empty: all) while LOAD busy processes per core (factors, e.g. 2,4,8) run beside a neighbour running
+# NEIGHBOUR in a loop (empty: no neighbour). A table per load; results in runs/load/<timestamp>/.
+LOAD ?= 2,4,8
+RUNS ?= 3
+NOTEBOOKS ?=
+NEIGHBOUR ?= 01 04
+test-load: setup
+	$(PYTHON) tools/load_harness.py --load $(LOAD) --runs $(RUNS) $(if $(strip $(NOTEBOOKS)),--notebooks $(NOTEBOOKS)) \
+		$(if $(strip $(NEIGHBOUR)),--neighbour $(NEIGHBOUR))
 
 # A real Slurm cluster of two emulated nodes on this machine (labsrc/core/slurm_cluster.py; cluster/README.md):
 # Debian's slurm-wlm and munge, installed here as root when missing; otherwise say what to do.

@@ -130,6 +130,16 @@ def test_timeout_ends_every_process(runs):
     assert steps, "the records written before the timeout were lost"
     advice = timeout_advice(dict(os.environ))  # the profile the ranks ran in (this test process's)
     assert advice in str(caught.value)
+    assert result.ready_s is not None and 0 < result.ready_s < result.wall_time_s
+
+
+def test_ready_timeout_counts_from_the_moment_every_rank_was_ready(runs):
+    with pytest.raises(launch.LaunchTimeout, match="4 s timeout from the moment its ranks were ready") as caught:
+        launch.run("setup", nproc=2, hold_s=60, timeout=150, ready_timeout=4, echo=False)
+    result = caught.value.result
+    held = result.wall_time_s - result.ready_s
+    assert 4 <= held < 30, f"ended {held:.1f} s after the ranks were ready (ready_timeout 4 s, hold 60 s)"
+    assert result.of_kind("progress") and launch.processes_of_run(result.run_dir.name, None) == []
 
 
 def test_timeout_advice_suggests_a_smaller_profile_only_when_there_is_one():
@@ -202,6 +212,7 @@ def test_busy_port_is_refused_before_anything_starts(runs):
     ({"nproc": 2, "backend": "nccl"}, "NCCL needs"),
     ({"nproc": 64, "backend": "gloo"}, "would only queue for cores"),
     ({"timeout": 0}, "timeout must be more than 0"),
+    ({"ready_timeout": -1}, "ready_timeout must be more than 0"),
     ({"max_restarts": -1}, "max_restarts must be 0 or more"),
     ({"nnodes": "2:1"}, "MIN <= MAX"),
     ({"nnodes": "two"}, "nnodes must be"),

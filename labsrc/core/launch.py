@@ -94,8 +94,10 @@ class Launch:
     def __init__(self, target: Target, nproc: int, nodes: Nodes, run_dir: Path, commands: list[list[str]],
                  env: dict, timeout: float, echo: bool, check: bool,
                  network: emulated_nodes.Network | None = None, pool: leases.Pool | None = None,
-                 need: leases.Need = leases.Need()):
+                 need: leases.Need = leases.Need(), ready_timeout: float | None = None):
         self.network = network
+        self.ready_timeout, self.ready_s = ready_timeout, None
+        self._ready_check = 0.0
         self.target, self.nproc, self.nodes, self.run_dir = target, nproc, nodes, run_dir
         self.run_id, self.commands, self.timeout, self.echo, self.check = run_dir.name, commands, timeout, echo, check
         self.env = env
@@ -218,12 +220,27 @@ class Launch:
         return [i for i, agent in enumerate(self.agents)
                 if i not in self.ended_nodes and agent.poll() not in (None, 0)]
 
+    def _check_ready(self) -> None:
+        """Note when every rank (of every node) is ready (runs.ranks_ready); looked at every 0.5 s until then."""
+        now = time.perf_counter()
+        if self.ready_s is None and now - self._ready_check >= 0.5:
+            self._ready_check = now
+            if runs.ranks_ready(self.run_dir, self.nproc * self.nodes.maximum):
+                self.ready_s = now - self._start
+
+    def _past_timeout(self) -> bool:
+        """Past `timeout` from the launch, or past `ready_timeout` from the moment every rank was ready."""
+        now = time.perf_counter() - self._start
+        after_ready = self.ready_timeout is not None and self.ready_s is not None
+        return now > self.timeout or (after_ready and now - self.ready_s > self.ready_timeout)
+
     def _watch(self) -> bool:
         """Poll until every agent has ended, or one failed and the others outlived the grace; True on timeout."""
         failed_since = None
         while self._running():
             self._pump()
-            if time.perf_counter() - self._start > self.timeout:
+            self._check_ready()
+            if self._past_timeout():
                 return True
             if self._failed():
                 failed_since = failed_since or time.perf_counter()
@@ -248,8 +265,11 @@ class Launch:
         end_run(self.run_id, pids, grace_s=5.0 if timed_out or self._running() else 1.0)
         result = self._finish("stopped (timeout)" if timed_out else None)
         if timed_out:
+            limit = (f"{self.ready_timeout:g} s timeout from the moment its ranks were ready ({self.ready_s:.1f} s "
+                     f"after the launch)" if self.ready_timeout is not None and self.ready_s is not None
+                     and result.wall_time_s - self.ready_s > self.ready_timeout else f"{self.timeout:g} s timeout")
             error = LaunchTimeout(
-                f"{result.lab} ran past its {self.timeout:g} s timeout and all its processes were ended. What "
+                f"{result.lab} ran past its {limit} and all its processes were ended. What "
                 f"the ranks recorded so far is in {self.run_dir}. {timeout_advice(self.env)}\n"
                 f"full log: {self.log_path}", result)
             if self.check:
@@ -278,15 +298,20 @@ class Launch:
             last = max((n["attempt"] for n in notes), default=0)
             exits = [e for e in runs.read_attempts(self.run_dir, runs.EXITS_FILE) if e["attempt"] == last]
             returncode = next((e["exit_code"] for e in exits if e["exit_code"] != 0), returncode)
-        return RunResult.collect(self.target.name, self.nproc, self.run_dir, returncode,
-                                 time.perf_counter() - self._start, self.commands[0], self.output,
-                                 1 + max((n["attempt"] for n in notes), default=-1), self.nodes.spec)
+        self._ready_check = 0.0
+        self._check_ready()  # ranks that were ready in the last half second
+        result = RunResult.collect(self.target.name, self.nproc, self.run_dir, returncode,
+                                   time.perf_counter() - self._start, self.commands[0], self.output,
+                                   1 + max((n["attempt"] for n in notes), default=-1), self.nodes.spec)
+        result.ready_s = self.ready_s
+        return result
 
 
 def start(target: str, nproc: int = 2, args: list | tuple = (), timeout: float = 300.0,
           backend: str | None = None, profile: str | None = None, port: int | None = None,
           env: dict | None = None, check: bool = True, echo: bool = True, runs_root: Path | None = None,
-          max_restarts: int = 0, nnodes: int | str = 1, link=None, **options) -> Launch:
+          max_restarts: int = 0, nnodes: int | str = 1, link=None, ready_timeout: float | None = None,
+          **options) -> Launch:
     """Check the request, then start torchrun (one agent per node) on `target`; returns the running Launch.
 
     target: a script path ("my_ddp.py"), a dotted module ("pkg.train") or a course lab ("setup"); **options
@@ -296,8 +321,12 @@ def start(target: str, nproc: int = 2, args: list | tuple = (), timeout: float =
     (RequestError says what to do). On a class server (LABSRC_POOL_DIR names a pool, labsrc.core.leases) the
     run leases its GPUs (one per NCCL rank, or those gloo ranks share) or cores before torchrun starts and
     sees only those; a wait for them counts against `timeout` and, when too long, raises LaunchTimeout.
+    ready_timeout: the run also ends this many seconds after every rank was ready (its process group up), however
+    long torchrun took to start them (a busy machine); `timeout` still bounds the whole run, start-up included.
     """
     check_number("timeout", timeout, 0, strict=True)
+    if ready_timeout is not None:
+        check_number("ready_timeout", ready_timeout, 0, strict=True)
     check_number("max_restarts", max_restarts, 0, whole=True)
     nodes = parse_nodes(nnodes)
     check_number("nproc", nproc, 1, whole=True)
@@ -333,7 +362,8 @@ def start(target: str, nproc: int = 2, args: list | tuple = (), timeout: float =
     if link is None:
         commands = [torchrun_command(resolved, nproc, nodes, target_args, run_dir.name, max_restarts, port)
                     for _ in range(nodes.maximum)]
-        return Launch(resolved, nproc, nodes, run_dir, commands, child_env, timeout, echo, check, None, pool, need)
+        return Launch(resolved, nproc, nodes, run_dir, commands, child_env, timeout, echo, check, None, pool, need,
+                      ready_timeout)
     network = emulated_nodes.Network(nodes.maximum, link, how)
     commands = [network.enter(i) + torchrun_command(resolved, nproc, nodes, target_args, run_dir.name,
                                                     max_restarts, port, network.address(i), network.address(0),
@@ -341,7 +371,7 @@ def start(target: str, nproc: int = 2, args: list | tuple = (), timeout: float =
                 for i in range(nodes.maximum)]
     try:
         return Launch(resolved, nproc, nodes, run_dir, commands, child_env, timeout, echo, check, network, pool,
-                      need)
+                      need, ready_timeout)
     except BaseException:
         network.close()
         raise

@@ -34,6 +34,9 @@ class RunResult:
     """{attempt: {rank: records}}, attempt 0 first."""
     nnodes: str = "1"
     """torchrun's --nnodes: a count or an elastic MIN:MAX range."""
+    ready_s: float | None = None
+    """Seconds from the launch until every rank was ready (its process group up: its first record written); None
+    if they never all were. wall_time_s - ready_s is how long the ranks ran, torchrun's start-up left out."""
 
     @classmethod
     def collect(cls, lab: str, nproc: int, run_dir: Path, returncode: int, wall_time_s: float,

@@ -109,6 +109,18 @@ class RecordWriter:
         self._file.close()
 
 
+def ranks_ready(run_dir: Path | str, ranks: int) -> bool:
+    """Has every rank 0..ranks-1 written its first record, the "context" a lab writes once its process group is up?"""
+    for rank in range(ranks):
+        try:
+            with open(Path(run_dir) / f"rank{rank}.jsonl") as records:
+                if json.loads(records.readline()).get("kind") != "context":
+                    return False
+        except (OSError, ValueError):
+            return False
+    return True
+
+
 def read_records(run_dir: Path | str) -> dict[int, list[dict]]:
     """{rank: [record, ...]} for every rank<r>.jsonl in a run directory."""
     records = {}
