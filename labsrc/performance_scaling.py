@@ -173,32 +173,18 @@ def reference_record(bench_results: list[dict]) -> dict:
             "provenance": by_size[1]["provenance"], "runs": [r["provenance"] for _, r in sorted(by_size.items())]}
 
 
-def paired_step_times(model, batches, optimizer, device, steps: int, no_sync, warmup: int = 2,
-                      samples: dict | None = None) -> tuple[float, float]:
+def paired_step_times(model, batches, optimizer, device, steps: int, no_sync, warmup: int = 2) -> tuple[float, float]:
     """(fastest DDP step, fastest step under no_sync): one of each in turn, so both see the same machine load.
 
     On a shared machine the load drifts from second to second; alternating the two kinds of step keeps that
-    drift out of their difference, which is the communication DDP adds. samples, when given, receives every
-    timed step in order: {"ddp": [...], "local": [...]}, pair i timed back to back (paired_added takes them).
+    drift out of their difference, which is the communication DDP adds.
     """
     seconds: dict[bool, list[float]] = {True: [], False: []}
     for step in range(warmup + steps):
         for synced in (True, False):
             seconds[synced].append(step_times(model, batches, optimizer, device, 1, warmup=0,
                                               no_sync=None if synced else no_sync))
-    if samples is not None:
-        samples.update(ddp=seconds[True][warmup:], local=seconds[False][warmup:])
     return min(seconds[True][warmup:]), min(seconds[False][warmup:])
-
-
-def paired_added(ddp: list[float], local: list[float]) -> float:
-    """What DDP adds to a step, from steps timed in pairs (a DDP step, then the same step under no_sync): the
-    median of the pairs' differences. Each pair sees the same moment's load, so the drift of a busy machine
-    cancels inside a pair, and the median ignores the pairs a burst of load hit on one side only."""
-    if len(ddp) != len(local) or not ddp:
-        raise ValueError(f"paired_added needs as many DDP steps as no_sync steps, timed in pairs: {len(ddp)}, "
-                         f"{len(local)}")
-    return statistics.median(d - l for d, l in zip(ddp, local))
 
 
 def step_times(model, batches, optimizer, device, steps: int, warmup: int = 2, no_sync=None) -> float:
@@ -224,14 +210,6 @@ def rank_mean(records: list[dict], per_rank_batch: int) -> dict:
     if not mine:
         raise ValueError(f"no scaling record at per-rank batch {per_rank_batch}")
     return {key: statistics.fmean(r[key] for r in mine) for key in ("step_s", "local_step_s", "gradient_bytes")}
-
-
-def rank_paired_added(records: list[dict], per_rank_batch: int) -> float:
-    """Mean over ranks of paired_added at one per-rank batch: what DDP adds, from the steps timed in pairs."""
-    mine = [r for r in records if r["per_rank_batch"] == per_rank_batch]
-    if not mine:
-        raise ValueError(f"no scaling record at per-rank batch {per_rank_batch}")
-    return statistics.fmean(paired_added(r["step_samples"], r["local_samples"]) for r in mine)
 
 
 def predict_ddp_step(calibration: dict, target: dict) -> dict:

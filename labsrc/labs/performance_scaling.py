@@ -6,7 +6,7 @@
 from __future__ import annotations
 
 import gc
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -57,10 +57,6 @@ class Scaling(Record):
     """Bytes DDP handed to all-reduce in all the DDP steps this rank ran (counted by a comm hook)."""
     ddp_steps: int
     """DDP steps run (untimed warm-up ones included); the no_sync steps in between must add no bytes."""
-    step_samples: list[float] = field(default_factory=list)
-    """Every timed DDP step (seconds), in order; local_samples[i] was timed right after step_samples[i]."""
-    local_samples: list[float] = field(default_factory=list)
-    """Every timed step under no_sync (seconds), each paired with the DDP step before it."""
 
 
 @dataclass
@@ -94,14 +90,12 @@ def measure(ctx, profile, per_rank_batch: int, steps: int, seed: int = 0, ddp: b
     dataset = data.synthetic_images(max(profile.num_samples, 4 * per_rank_batch), profile.image_size, seed=seed)
     own_data = RankContext(0, 0, 1, ctx.device, "")  # every rank draws from its whole copy: no sharding
     batches = iter(data.DeviceBatches(dataset, per_rank_batch, own_data, seed=seed))
-    samples = {"ddp": [], "local": []}
     if ddp:
         step_s, local_s = performance_scaling.paired_step_times(wrapped, batches, optimizer, ctx.device, steps,
-                                                                wrapped.no_sync, warmup=WARMUP_STEPS, samples=samples)
+                                                                wrapped.no_sync, warmup=WARMUP_STEPS)
     else:
         step_s = local_s = performance_scaling.step_times(wrapped, batches, optimizer, ctx.device, steps)
     return {"per_rank_batch": per_rank_batch, "step_s": step_s, "local_step_s": local_s,
-            "step_samples": samples["ddp"], "local_samples": samples["local"],
             "gradient_bytes": performance_scaling.gradient_bytes(model), "allreduced_bytes": counted["bytes"],
             "ddp_steps": (WARMUP_STEPS + steps) if ddp else 0}
 
