@@ -156,6 +156,44 @@ def test_bubble_sweep_keeps_the_repeat_with_the_shortest_span():
     assert sweep["measured"] == pytest.approx(0.5) and sweep["formula"] == pytest.approx(0.5)
 
 
+def _shifted(timeline, lag, stretch):
+    """A timeline as a loaded machine stretches it: every time times `stretch`, stage s a further s x lag late."""
+    return [[{**e, "start": (e["start"] + s * lag) * stretch, "end": (e["end"] + s * lag) * stretch} for e in events]
+            for s, events in enumerate(timeline)]
+
+
+@pytest.mark.parametrize("schedule,stages,micro_batches", [("gpipe", 2, 8), ("1f1b", 3, 4), ("gpipe", 4, 3)])
+def test_the_order_replayed_counts_the_bubble_and_a_lagging_stage_still_overlaps(schedule, stages, micro_batches):
+    ideal = analysis.ideal_timeline(schedule, stages, micro_batches, 0.04)
+    loaded = _shifted(ideal, 0.012, 3.0)   # each hop 12 ms late, everything 3 x as long
+    assert analysis.replayed_idle(loaded) == pytest.approx(schedules.bubble_formula(stages, micro_batches))
+    scheduled = analysis.overlap_share(analysis.replay(loaded))
+    assert scheduled == pytest.approx(analysis.overlap_share(ideal))
+    assert analysis.overlap_share(loaded) >= scheduled / 2   # what notebook 08 asserts
+
+
+def test_stages_that_take_turns_fail_the_count_or_the_overlap():
+    one_at_a_time = [[a for j in range(4) for a in (("F", j), ("B", j))] for _ in range(2)]
+    timeline = schedules.simulate(one_at_a_time, 1.0, 1.0)
+    assert analysis.replayed_idle(timeline) == pytest.approx(0.5) and analysis.overlap_share(timeline) == 0.0
+    # GPipe's order, but each box waits for the other stage's to end (ranks in lockstep): the count holds, the
+    # clock shows no overlap
+    lockstep, clock = [[], []], 0.0
+    for position in range(8):
+        for stage in range(2):
+            kind, j = schedules.gpipe_actions(stage, 2, 4)[position]
+            lockstep[stage].append({"action": kind, "micro_batch": j, "start": clock, "end": clock + 1.0})
+            clock += 1.0
+    assert analysis.replayed_idle(lockstep) == pytest.approx(schedules.bubble_formula(2, 4))
+    assert analysis.overlap_share(lockstep) == 0.0 < analysis.overlap_share(analysis.replay(lockstep))
+
+
+@pytest.mark.parametrize("schedule", chunked.CHUNKED_SCHEDULES)
+def test_chunked_orders_replayed_give_their_formulas(schedule):
+    timeline = _shifted(chunked.ideal_timeline(schedule, 2, 4, 0.04), 0.005, 2.0)
+    assert analysis.replayed_idle(timeline) == pytest.approx(chunked.bubble_formula(schedule, 2, 4))
+
+
 @pytest.mark.parametrize("values,message", [
     ({"micro_batches": (0, 2)}, "micro_batches"),
     ({"check_micro_batches": 3}, "must divide check_batch"),
