@@ -17,6 +17,10 @@ import torch.distributed as dist
 from labsrc.core.forked import run_ranks
 
 FLIGHT_RECORDER_ENTRIES = 200  # TORCH_FR_BUFFER_SIZE: collectives each rank remembers
+STARTUP_S = 60.0
+"""How long ranks may take to start and join their process group (seconds on a loaded machine; fresh ranks import
+torch): a start-up allowance, never part of a planted wait. Every planted wait is a group timeout, which gloo counts
+from the collective call itself; the watchdogs around the ranks count from the moment every rank has joined."""
 
 
 @dataclass
@@ -82,11 +86,13 @@ def run_case(rank_function, variant: str, debug: str = "OFF", timeout_s: float =
     """rank_function(ctx, variant, timeout_s) -> Outcome on forked gloo ranks, with TORCH_DISTRIBUTED_DEBUG=debug.
 
     The debug level is read when a process group is created, so it is set before the ranks start and
-    restored after. flight_recorder=True turns on TORCH_FR_BUFFER_SIZE the same way.
+    restored after. flight_recorder=True turns on TORCH_FR_BUFFER_SIZE the same way. Each planted wait ends by its
+    group's timeout_s, counted from the collective; the outer limit is only a safety net against a wedged rank, so
+    it includes STARTUP_S for the ranks to start on a busy machine (a quiet one returns as soon as they finish).
     """
     buffer = str(FLIGHT_RECORDER_ENTRIES) if flight_recorder else None
     with environment(TORCH_DISTRIBUTED_DEBUG=debug, TORCH_FR_BUFFER_SIZE=buffer):
-        return run_ranks(rank_function, world_size, args=(variant, timeout_s), timeout_s=2 * timeout_s + 10)
+        return run_ranks(rank_function, world_size, args=(variant, timeout_s), timeout_s=STARTUP_S + 2 * timeout_s)
 
 
 # -- case 1: a collective whose shape (or kind) differs on one rank --------------------------------------------
