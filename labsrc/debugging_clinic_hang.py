@@ -183,7 +183,8 @@ def inspect_hang(hang_s: float = 60.0) -> dict:
                                       timeout=30, env=dict(os.environ, NO_COLOR="1", CLICOLOR_FORCE="0"))
                 seen["py_spy"] = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout)  # colours, where a terminal is faked
                 seen["py_spy_error"] = "" if done.returncode == 0 else done.stderr.strip()[-500:]
-            while "log_metric" not in (dump.read_text() if dump.exists() else "") and time.monotonic() < deadline:
+            while ("log_metric" not in (dump.read_text() if dump.exists() else "") and time.monotonic() < deadline
+                   and children[0].is_alive()):  # a rank that ended will write nothing more
                 time.sleep(0.05)
             seen["faulthandler"] = dump.read_text() if dump.exists() else ""
             seen["armed"] = [int(line.split()[0]) for line in waiting.read_text().splitlines()]
