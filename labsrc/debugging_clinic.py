@@ -17,6 +17,10 @@ import torch.distributed as dist
 from labsrc.core.forked import run_ranks
 
 FLIGHT_RECORDER_ENTRIES = 200  # TORCH_FR_BUFFER_SIZE: collectives each rank remembers
+STARTUP_S = 60.0
+"""How long ranks may take to start and join their process group (seconds on a loaded machine; fresh ranks import
+torch): a start-up allowance, never part of a planted wait. Every planted wait is a group timeout, which gloo counts
+from the collective call itself; the watchdogs around the ranks count from the moment every rank has joined."""
 
 
 @dataclass
@@ -65,6 +69,13 @@ def short_group(timeout_s: float):
     return dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def meet(timeout_s: float) -> None:
+    """Every rank waits here, on the default group, until all have come: a rank that skipped a planted collective
+    stays alive until its peer's wait has ended (a timeout counted from the peer's own call), however long a busy
+    machine makes that; not a fixed sleep, which a late peer could outlast. STARTUP_S + 2 x timeout_s at most."""
+    dist.barrier(async_op=True).wait(datetime.timedelta(seconds=STARTUP_S + 2 * timeout_s))
+
+
 def attempt(case: str, variant: str, rank: int, action, *args) -> Outcome:
     """Run action(*args) on this rank; an exception becomes the Outcome's class name and first line."""
     started, debug = time.perf_counter(), dist.get_debug_level().name
@@ -82,11 +93,13 @@ def run_case(rank_function, variant: str, debug: str = "OFF", timeout_s: float =
     """rank_function(ctx, variant, timeout_s) -> Outcome on forked gloo ranks, with TORCH_DISTRIBUTED_DEBUG=debug.
 
     The debug level is read when a process group is created, so it is set before the ranks start and
-    restored after. flight_recorder=True turns on TORCH_FR_BUFFER_SIZE the same way.
+    restored after. flight_recorder=True turns on TORCH_FR_BUFFER_SIZE the same way. Each planted wait ends by its
+    group's timeout_s, counted from the collective; the outer limit is only a safety net against a wedged rank, so
+    it includes STARTUP_S for the ranks to start on a busy machine (a quiet one returns as soon as they finish).
     """
     buffer = str(FLIGHT_RECORDER_ENTRIES) if flight_recorder else None
     with environment(TORCH_DISTRIBUTED_DEBUG=debug, TORCH_FR_BUFFER_SIZE=buffer):
-        return run_ranks(rank_function, world_size, args=(variant, timeout_s), timeout_s=2 * timeout_s + 10)
+        return run_ranks(rank_function, world_size, args=(variant, timeout_s), timeout_s=STARTUP_S + 2 * timeout_s)
 
 
 # -- case 1: a collective whose shape (or kind) differs on one rank --------------------------------------------
@@ -121,7 +134,7 @@ def mismatched_order(ctx, variant: str, timeout_s: float) -> Outcome:
 # -- case 2: a barrier only rank 0 reaches ----------------------------------------------------------------------
 
 def rank0_only_barrier(ctx, variant: str, timeout_s: float) -> Outcome:
-    """broken: only rank 0 reaches the barrier (rank 1 is busy for longer than the barrier waits); fixed: both.
+    """broken: only rank 0 reaches the barrier (rank 1 is busy until rank 0's barrier has given up); fixed: both.
 
     monitored_barrier collects every rank's arrival at rank 0 and, after timeout_s, names those that did not come.
     """
@@ -129,11 +142,12 @@ def rank0_only_barrier(ctx, variant: str, timeout_s: float) -> Outcome:
 
     def barrier():
         if variant == "broken" and ctx.rank != 0:
-            time.sleep(timeout_s + 1.0)  # stands for work in a branch only rank 1 takes
-            return {"reached_barrier": False}
+            return {"reached_barrier": False}  # a branch only rank 1 takes; it stays busy in meet() below
         dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout_s), wait_all_ranks=True)
         return {"reached_barrier": True}
-    return attempt("rank0_only_barrier", variant, ctx.rank, barrier)
+    outcome = attempt("rank0_only_barrier", variant, ctx.rank, barrier)
+    meet(timeout_s)
+    return outcome
 
 
 # -- case 3: a hang read back from the flight recorder ---------------------------------------------------------
@@ -146,13 +160,13 @@ def skipped_collective(ctx, variant: str, timeout_s: float) -> Outcome:
     def three_reductions():
         for step in range(3):
             if variant == "broken" and step == 2 and ctx.rank == 1:
-                time.sleep(timeout_s + 1.0)  # rank 1 moves on; it stays alive so rank 0 sees a timeout
-                break
+                break  # rank 1 moves on; it stays alive (in meet, below) so rank 0 sees a timeout, not a lost peer
             dist.all_reduce(torch.full((4,), float(step)), group=group)
         return None
 
     outcome = attempt("skipped_collective", variant, ctx.rank, three_reductions)
     outcome.detail = {"flight_record": flight_record()}
+    meet(timeout_s)
     return outcome
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from labsrc.core.world import RankContext
-from labsrc.debugging_clinic import Outcome, environment, short_group
+from labsrc.debugging_clinic import STARTUP_S, Outcome, environment, short_group
 
 
 @dataclass
@@ -52,6 +52,7 @@ def _rank_main(fn, rank: int, world_size: int, init_file: str, args: tuple, resu
     faulthandler.disable()  # a handler inherited from the parent (pytest's) would print the parent's stack on abort
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    Path(init_file).with_name(f"joined{rank}").touch()  # the watchdog's clock starts when every rank has joined
     value = fn(RankContext(rank, rank, world_size, torch.device("cpu"), "gloo"), *args)
     results.put((rank, pickle.dumps(value)))
     dist.destroy_process_group()
@@ -75,25 +76,37 @@ def _end(children) -> None:
         child.join()
 
 
+def _joined(folder: str, children) -> list[int]:
+    """Ranks that joined the process group (or already ended: nothing left to wait for)."""
+    return [rank for rank, child in enumerate(children)
+            if (Path(folder) / f"joined{rank}").exists() or child.exitcode is not None]
+
+
 def run_unguarded(rank_function, variant: str, timeout_s: float, world_size: int = 2,
                   debug: str = "OFF") -> list[RankEnd]:
     """rank_function(ctx, variant, timeout_s) on forked gloo ranks whose death is recorded, not raised.
 
-    Each rank's exit status is kept (a gloo abort is -6, SIGABRT); a rank still running 2 x timeout_s + 10 s
-    after the start is killed and reported with exitcode None. Nothing is left running afterwards.
+    Each rank's exit status is kept (a gloo abort is -6, SIGABRT). The watchdog counts from the moment every rank
+    has joined the process group (not from the start: a busy machine may take seconds to get there, which must
+    not eat into the planted wait): a rank still running 2 x timeout_s + 5 s after that is killed and reported
+    with exitcode None. Nothing is left running afterwards.
     """
-    deadline_s = 2 * timeout_s + 10
     with tempfile.TemporaryDirectory() as folder, environment(TORCH_DISTRIBUTED_DEBUG=debug):
         started = time.perf_counter()
         children, results = _start(rank_function, world_size, (variant, timeout_s), folder)
         ended: dict[int, tuple[int | None, float]] = {}
+        deadline = started + STARTUP_S  # until every rank joined; then 2 x timeout_s + 5 from that moment
+        all_joined = False
         try:
-            while len(ended) < world_size and time.perf_counter() - started < deadline_s:
+            while len(ended) < world_size and time.perf_counter() < deadline:
+                if not all_joined and len(_joined(folder, children)) == world_size:
+                    all_joined, deadline = True, time.perf_counter() + 2 * timeout_s + 5
                 for rank, child in enumerate(children):
                     if rank not in ended and child.exitcode is not None:
                         ended[rank] = (child.exitcode, time.perf_counter() - started)
                 time.sleep(0.02)
         finally:
+            stopped_s = time.perf_counter() - started
             _end(children)
         outcomes = {}
         while not results.empty():
@@ -101,7 +114,7 @@ def run_unguarded(rank_function, variant: str, timeout_s: float, world_size: int
             outcomes[rank] = pickle.loads(value)
     ends = []
     for rank in range(world_size):
-        exitcode, seconds = ended.get(rank, (None, deadline_s))
+        exitcode, seconds = ended.get(rank, (None, stopped_s))
         ends.append(RankEnd(rank, exitcode, outcomes.get(rank), seconds))
     return ends
 
@@ -138,8 +151,12 @@ def py_spy() -> str | None:
     return str(beside) if beside.exists() else shutil.which("py-spy")
 
 
-def inspect_hang(hang_s: float = 8.0) -> dict:
+def inspect_hang(hang_s: float = 60.0) -> dict:
     """Two forked ranks, rank 0 stuck in an all_reduce rank 1 skipped; its stack read two ways while it waits.
+
+    The hang lasts until both reads are done: this process then ends both ranks (at once on a quiet machine).
+    hang_s is only the safety net (rank 0's group timeout, from its all_reduce call): long, so a busy machine's
+    slow py-spy never finds the rank already given up. Reaching the hang gets STARTUP_S of its own.
 
     {"pid", "py_spy" (py-spy dump's text, or ""), "py_spy_error" (why there is none), "faulthandler" (the text
     faulthandler.dump_traceback_later wrote after FAULTHANDLER_AFTER_S), "armed" (the ranks that armed faulthandler
@@ -150,11 +167,12 @@ def inspect_hang(hang_s: float = 8.0) -> dict:
         seen = {"pid": None, "py_spy": "", "py_spy_error": "", "faulthandler": "", "armed": []}
         try:
             waiting, dump = Path(folder) / "waiting", Path(folder) / "faulthandler.txt"
-            deadline = time.monotonic() + hang_s
+            deadline = time.monotonic() + STARTUP_S
             while not waiting.exists() and time.monotonic() < deadline:
                 time.sleep(0.02)
             if not waiting.exists():
-                raise RuntimeError(f"rank 0 never reached the third all_reduce in {hang_s} s")
+                raise RuntimeError(f"rank 0 never reached the third all_reduce in {STARTUP_S} s")
+            deadline = time.monotonic() + hang_s  # from the moment rank 0 waits: the hang's own length
             time.sleep(0.3)  # well inside the all_reduce by now
             seen["pid"] = int(waiting.read_text().split()[1])
             tool = py_spy()
@@ -165,7 +183,8 @@ def inspect_hang(hang_s: float = 8.0) -> dict:
                                       timeout=30, env=dict(os.environ, NO_COLOR="1", CLICOLOR_FORCE="0"))
                 seen["py_spy"] = re.sub(r"\x1b\[[0-9;]*m", "", done.stdout)  # colours, where a terminal is faked
                 seen["py_spy_error"] = "" if done.returncode == 0 else done.stderr.strip()[-500:]
-            while "log_metric" not in (dump.read_text() if dump.exists() else "") and time.monotonic() < deadline:
+            while ("log_metric" not in (dump.read_text() if dump.exists() else "") and time.monotonic() < deadline
+                   and children[0].is_alive()):  # a rank that ended will write nothing more
                 time.sleep(0.05)
             seen["faulthandler"] = dump.read_text() if dump.exists() else ""
             seen["armed"] = [int(line.split()[0]) for line in waiting.read_text().splitlines()]
