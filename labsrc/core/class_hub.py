@@ -18,6 +18,7 @@ from labsrc.core.class_settings import PROXY_COMMAND, ROOT, ClassSettings
 HUB_PORT_ENV = "LABSRC_CLASS_HUB_PORT"
 PROXY_API_PORT_ENV = "LABSRC_CLASS_PROXY_API_PORT"
 NOTEBOOKS = ROOT / "notebooks"
+LINKED = ("docs", "cluster")  # what the notebooks' links reach (../docs/...), read-only from the checkout
 CULLER_SCOPES = ["list:users", "read:users:activity", "read:servers", "delete:servers"]
 
 
@@ -27,7 +28,8 @@ def home_of(name: str) -> Path:
 
 def copy_notebooks(name: str, course_folder: str, exchange: Path | None = None) -> list[Path]:
     """The course's notebooks into ~name/<course_folder>/notebooks, owned by the student: only those missing
-    (a student's own work is never overwritten; a notebook added to the course arrives at the next start)."""
+    (a student's own work is never overwritten; a notebook added to the course arrives at the next start),
+    beside links to the checkout's docs/ and cluster/ (the notebooks link to them)."""
     entry = pwd.getpwnam(name)
     course = Path(entry.pw_dir) / course_folder
     made = []
@@ -40,6 +42,11 @@ def copy_notebooks(name: str, course_folder: str, exchange: Path | None = None) 
         if not target.exists():
             shutil.copyfile(notebook, target)
             made.append(target)
+    for name_linked in LINKED:
+        link = course / name_linked
+        if not link.is_symlink() and not link.exists():
+            link.symlink_to(ROOT / name_linked)
+            os.lchown(link, entry.pw_uid, entry.pw_gid)
     if exchange is not None:
         config = Path(entry.pw_dir) / ".jupyter" / "nbgrader_config.py"
         if not config.exists():

@@ -154,34 +154,39 @@ def _hub_pid(settings: ClassSettings) -> int | None:
         return None
 
 
-def _students_processes(settings: ClassSettings) -> list[tuple[int, str]]:
-    """(pid, command line) of every live process of the roster's students (a zombie has ended: not counted)."""
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE  # a zombie has ended; its parent has yet to reap it
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _students_processes(settings: ClassSettings) -> list[psutil.Process]:
     names = {s.name for s in class_accounts.read_roster(settings.roster)}
-    found = []
-    for process in psutil.process_iter(["username", "status", "cmdline"]):
-        if process.info["username"] in names and process.info["status"] != psutil.STATUS_ZOMBIE:
-            found.append((process.pid, " ".join(process.info["cmdline"] or [])))
-    return found
+    return [p for p in psutil.process_iter(["username"]) if p.info["username"] in names and _running(p)]
 
 
 def stop(settings: ClassSettings, timeout_s: float = 30) -> list[str]:
-    """Stop the hub (it stops every student's server and its proxy); the students' processes it left (pid and
-    command), which are then killed: none when the hub cleaned up after itself."""
+    """Stop the hub: it stops every student's server, its proxy and its services. Returns what it left running
+    (pid and command line: its own processes and the students'), which is then killed; empty when it cleaned up."""
+    family = []
     pid = _hub_pid(settings)
     if pid is not None:
-        os.kill(pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and _hub_pid(settings) == pid:
-            time.sleep(0.1)
-        if _hub_pid(settings) == pid:
-            os.killpg(os.getpgid(pid), signal.SIGKILL)
-    left = _students_processes(settings)
-    for process, _ in left:
+        hub = psutil.Process(pid)
+        family = [hub, *hub.children(recursive=True)]
+        hub.terminate()
+        if psutil.wait_procs([hub], timeout=timeout_s)[1]:
+            hub.kill()
+        psutil.wait_procs(family, timeout=5)  # the proxy and the services end with the hub
+    left = {process.pid: process for process in family + _students_processes(settings) if _running(process)}
+    described = []
+    for process in left.values():
         try:
-            os.kill(process, signal.SIGKILL)
-        except ProcessLookupError:
+            described.append(f"{process.pid} {' '.join(process.cmdline())}")
+            process.kill()
+        except psutil.NoSuchProcess:
             pass
-    return [f"{pid} {command}" for pid, command in left]
+    return described
 
 
 def main(argv: list[str] | None = None) -> int:
