@@ -71,28 +71,29 @@ def memory_statement(settings: ClassSettings) -> str:
             f"each server. Set spawner = 'systemd' (pip install jupyterhub-systemdspawner) to enforce it.")
 
 
-def prepare(settings: ClassSettings) -> list[str]:
-    """Accounts, the pool and the students' access to the course; returns the lines to print."""
+def prepare(settings: ClassSettings, echo=print) -> None:
+    """Accounts, the pool and the students' access to the course, each step told through echo as it is done."""
     _check_prerequisites()
     state = settings.state_dir
     state.mkdir(parents=True, exist_ok=True)
     os.chmod(state, 0o700)
-    lines = [tls_statement(settings), memory_statement(settings)]
+    echo(tls_statement(settings))
+    echo(memory_statement(settings))
     students = class_accounts.read_roster(settings.roster)
     created = class_accounts.ensure_students(students, settings.group, state / "passwords.txt")
     for name, password in created.items():
-        lines.append(f"new student {name}: first password {password} (also in {state / 'passwords.txt'})")
-    lines.append(f"{len(students)} student(s) in group {settings.group} ({len(created)} new).")
+        echo(f"new student {name}: first password {password} (also in {state / 'passwords.txt'})")
+    echo(f"{len(students)} student(s) in group {settings.group} ({len(created)} new).")
     if settings.pooled:
         try:
             pool = pool_setup.init(settings.pool_directory, settings.gpus, settings.cores, settings.gpus_per_run,
                                    settings.cores_per_run, settings.fake_gpus)
         except PoolError as exc:
             raise ClassServerError(f"the pool: {exc}") from None
-        lines.append(f"pool at {pool.directory}: {pool.gpus} GPU slot(s) ({pool.gpus_per_run} per run), "
+        echo(f"pool at {pool.directory}: {pool.gpus} GPU slot(s) ({pool.gpus_per_run} per run), "
                      f"{len(pool.cores)} core(s) ({pool.cores_per_run if pool.cores else 0} per run).")
     else:
-        lines.append("pool: none (gpus = cores = 0): students' launches do not lease, and may collide on GPUs.")
+        echo("pool: none (gpus = cores = 0): students' launches do not lease, and may collide on GPUs.")
     needed = [Path(sys.executable), ROOT] + [settings.pool_directory] * settings.pooled
     blocked = class_accounts.blocked_directories(needed, students[0].name)
     if blocked and not settings.grant_group_traverse:
@@ -102,8 +103,7 @@ def prepare(settings: ClassSettings) -> list[str]:
             f"grant_group_traverse = true to let group {settings.group} pass through (setfacl).")
     if blocked:
         class_accounts.grant_access(blocked, settings.group, state)
-        lines.append(f"group {settings.group} may now pass through {', '.join(map(str, blocked))} (ACL).")
-    return lines
+        echo(f"group {settings.group} may now pass through {', '.join(map(str, blocked))} (ACL).")
 
 
 def hub_command(settings: ClassSettings) -> tuple[list[str], dict]:
@@ -133,8 +133,7 @@ def start(settings: ClassSettings, echo=print) -> float:
     if _hub_pid(settings) is not None:
         raise ClassServerError(f"a hub of these settings runs already (pid {_hub_pid(settings)}): "
                                f"`make class-server-stop` first.")
-    for line in prepare(settings):
-        echo(line)
+    prepare(settings, echo)
     command, env = hub_command(settings)
     log = settings.state_dir / "jupyterhub.log"
     with open(log, "ab") as sink:
@@ -200,14 +199,15 @@ def main(argv: list[str] | None = None) -> int:
         if options.command == "start":
             start(settings)
         elif options.command == "run":
-            for line in prepare(settings):
-                print(line, flush=True)
+            prepare(settings, lambda line: print(line, flush=True))
             command, env = hub_command(settings)
             os.chdir(settings.state_dir)
             os.execvpe(command[0], command, env)
         elif options.command == "stop":
+            running = _hub_pid(settings) is not None
             left = stop(settings)
-            print("hub stopped" + "".join(f"\nkilled what it left: {line}" for line in left))
+            print(("hub stopped" if running else f"no hub of {settings.source} was running")
+                  + "".join(f"\nkilled what it left: {line}" for line in left))
         else:
             removed = class_accounts.remove_students(class_accounts.read_roster(settings.roster), settings.group,
                                                      settings.state_dir)
