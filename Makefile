@@ -99,7 +99,11 @@ $(CLASSROOM_PROXY):
 	@command -v npm >/dev/null || { echo "configurable-http-proxy needs Node 18+ and npm: apt-get install -y nodejs npm"; exit 2; }
 	npm install --prefix .classroom/proxy --no-audit --no-fund --loglevel=error configurable-http-proxy@5.3.0
 
+# setfacl (Debian's acl) for grant_group_traverse: lets the students' group pass through e.g. /root to the venv.
 classroom: $(VENV)/.stamp-classroom $(CLASSROOM_PROXY)
+	@command -v setfacl >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq acl >/dev/null); } \
+		|| echo "setfacl is missing (apt-get install -y acl): grant_group_traverse will not work"
 
 class-server: classroom
 	$(PYTHON) -m labsrc.core.class_server start --settings $(CLASSROOM_SETTINGS)
