@@ -31,6 +31,9 @@ pytest.importorskip("jupyterhub_idle_culler", reason="jupyterhub-idle-culler is 
 websocket = pytest.importorskip("websocket", reason="websocket-client is missing (pip install websocket-client)")
 if os.geteuid() != 0:
     pytest.skip("the class server needs root (accounts, PAM, setuid spawns): run as root", allow_module_level=True)
+if not shutil.which("setfacl"):
+    pytest.skip("setfacl is missing (apt-get install -y acl; make test-class-server does as root): the students must "
+                "pass through the directories above the venv", allow_module_level=True)
 if not os.access(PROXY_COMMAND, os.X_OK):
     pytest.skip(f"no configurable-http-proxy at {PROXY_COMMAND}: make test-class-server installs it",
                 allow_module_level=True)

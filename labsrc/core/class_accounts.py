@@ -11,6 +11,7 @@ import os
 import pwd
 import re
 import secrets
+import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -135,6 +136,9 @@ def blocked_directories(paths: list[Path], user: str) -> list[Path]:
 
 def grant_access(directories: list[Path], group: str, state_dir: Path) -> None:
     """Let `group` pass through (not list) each directory: an ACL entry, recorded so that it can be revoked."""
+    if shutil.which("setfacl") is None:
+        raise AccountError(f"setfacl is missing (apt-get install -y acl), needed to let {group} pass through "
+                           f"{', '.join(map(str, directories))}; or install the course where students can read it.")
     granted = _granted(state_dir)
     for directory in directories:
         _run(["setfacl", "--modify", f"g:{group}:x", str(directory)])
