@@ -7,7 +7,7 @@ NOTEBOOK_TIMEOUT ?= 300
 
 .PHONY: setup lab format-notebooks reset-notebooks test test-unit test-notebooks test-load slides slides-figures doctor bench bench-nodes clean \
 	tensorflow test-tensorflow deepspeed test-deepspeed test-torch gpu-kit \
-	slurm-packages slurm-cluster slurm-cluster-stop test-slurm
+	slurm-packages slurm-cluster slurm-cluster-stop test-slurm classroom class-server class-server-stop test-class-server
 
 # Reinstalls only when the pinned requirements or the package metadata change. CPU_ONLY=1 (on a new .venv) takes
 # torch and torchvision at requirements.txt's pins from PyTorch's CPU index first: no CUDA libraries (see README).
@@ -99,6 +99,35 @@ slurm-cluster-stop: setup
 
 test-slurm: setup slurm-packages
 	LABSRC_PROFILE=ci LABSRC_HEADLESS=1 MPLBACKEND=Agg $(PYTHON) -m pytest tests/test_slurm_cluster.py -rs --durations=10
+
+# A class server (cluster/classroom/, labsrc/core/class_server.py; INSTRUCTORS.md section 2): JupyterHub, its idle
+# culler and nbgrader added to the course's venv, and configurable-http-proxy from npm into .classroom/proxy.
+# As root: the students' accounts come from the roster; the hub listens on loopback unless the settings open it.
+CLASSROOM_SETTINGS ?= cluster/classroom/classroom.toml
+CLASSROOM_PROXY := .classroom/proxy/node_modules/.bin/configurable-http-proxy
+
+$(VENV)/.stamp-classroom: requirements-classroom.txt $(STAMP)
+	$(PYTHON) -m pip install -q -r requirements-classroom.txt
+	touch $@
+
+$(CLASSROOM_PROXY):
+	@command -v npm >/dev/null || { echo "configurable-http-proxy needs Node 18+ and npm: apt-get install -y nodejs npm"; exit 2; }
+	npm install --prefix .classroom/proxy --no-audit --no-fund --loglevel=error configurable-http-proxy@5.3.0
+
+# setfacl (Debian's acl) for grant_group_traverse: lets the students' group pass through e.g. /root to the venv.
+classroom: $(VENV)/.stamp-classroom $(CLASSROOM_PROXY)
+	@command -v setfacl >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+		&& (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq acl >/dev/null); } \
+		|| echo "setfacl is missing (apt-get install -y acl): grant_group_traverse will not work"
+
+class-server: classroom
+	$(PYTHON) -m labsrc.core.class_server start --settings $(CLASSROOM_SETTINGS)
+
+class-server-stop: setup
+	$(PYTHON) -m labsrc.core.class_server stop --settings $(CLASSROOM_SETTINGS)
+
+test-class-server: classroom
+	LABSRC_PROFILE=ci LABSRC_HEADLESS=1 MPLBACKEND=Agg $(PYTHON) -m pytest tests/test_class_server.py -rs --durations=10
 
 slides: setup
 	$(PYTHON) slides/build.py

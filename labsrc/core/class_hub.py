@@ -1,0 +1,122 @@
+"""JupyterHub's configuration for a class server, from ClassSettings (cluster/classroom/jupyterhub_config.py calls it).
+
+Each student logs in with their system password (PAM), and gets their own JupyterLab running as their own
+system user with the course's kernel, their own copy of the notebooks, and LABSRC_POOL_DIR set, so that every
+launch leases its GPUs or cores from the server's pool. An idle culler runs as a hub service.
+"""
+from __future__ import annotations
+
+import os
+import pwd
+import shutil
+import sys
+from pathlib import Path
+
+from labsrc.core.class_accounts import read_roster
+from labsrc.core.class_settings import PROXY_COMMAND, ROOT, ClassSettings
+
+HUB_PORT_ENV = "LABSRC_CLASS_HUB_PORT"
+PROXY_API_PORT_ENV = "LABSRC_CLASS_PROXY_API_PORT"
+NOTEBOOKS = ROOT / "notebooks"
+LINKED = ("docs", "cluster")  # what the notebooks' links reach (../docs/...), read-only from the checkout
+CULLER_SCOPES = ["list:users", "read:users:activity", "read:servers", "delete:servers"]
+
+
+def home_of(name: str) -> Path:
+    return Path(pwd.getpwnam(name).pw_dir)
+
+
+def copy_notebooks(name: str, course_folder: str, exchange: Path | None = None) -> list[Path]:
+    """The course's notebooks into ~name/<course_folder>/notebooks, owned by the student: only those missing
+    (a student's own work is never overwritten; a notebook added to the course arrives at the next start),
+    beside links to the checkout's docs/ and cluster/ (the notebooks link to them)."""
+    entry = pwd.getpwnam(name)
+    course = Path(entry.pw_dir) / course_folder
+    made = []
+    for directory in (course, course / "notebooks"):
+        if not directory.exists():
+            directory.mkdir(mode=0o755)
+            made.append(directory)
+    for notebook in sorted(NOTEBOOKS.glob("*.ipynb")):
+        target = course / "notebooks" / notebook.name
+        if not target.exists():
+            shutil.copyfile(notebook, target)
+            made.append(target)
+    for name_linked in LINKED:
+        link = course / name_linked
+        if not link.is_symlink() and not link.exists():
+            link.symlink_to(ROOT / name_linked)
+            os.lchown(link, entry.pw_uid, entry.pw_gid)
+    if exchange is not None:
+        config = Path(entry.pw_dir) / ".jupyter" / "nbgrader_config.py"
+        if not config.exists():
+            config.parent.mkdir(exist_ok=True)
+            config.write_text(f"c = get_config()  # noqa\nc.Exchange.root = {str(exchange)!r}\n")
+            made += [config.parent, config]
+    for path in made:
+        os.chown(path, entry.pw_uid, entry.pw_gid)
+    return made
+
+
+def environment(settings: ClassSettings) -> dict:
+    """What each student's server (and so each kernel and launch) sees beyond JupyterHub's own variables."""
+    env = {"PYTHONPATH": str(ROOT),
+           "LABSRC_RUNS": lambda spawner: str(home_of(spawner.user.name) / settings.course_folder / "runs")}
+    if settings.pooled:
+        env["LABSRC_POOL_DIR"] = str(settings.pool_directory)
+    if settings.profile:
+        env["LABSRC_PROFILE"] = settings.profile
+    return env
+
+
+def _read_or_make(path: Path, size: int) -> str:
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(os.urandom(size).hex())
+    return path.read_text().strip()
+
+
+def configure(c, settings: ClassSettings) -> None:
+    """Fill JupyterHub's config object `c` (what `jupyterhub -f jupyterhub_config.py` reads)."""
+    state = settings.state_dir
+    venv_bin = Path(sys.executable).parent
+    c.JupyterHub.bind_url = f"{'https' if settings.tls else 'http'}://{settings.ip}:{settings.port}"
+    if settings.tls:
+        c.JupyterHub.ssl_cert, c.JupyterHub.ssl_key = str(settings.tls_cert), str(settings.tls_key)
+    c.JupyterHub.hub_ip = "127.0.0.1"
+    c.JupyterHub.hub_port = int(os.environ.get(HUB_PORT_ENV, 8081))
+    c.JupyterHub.db_url = f"sqlite:///{state / 'jupyterhub.sqlite'}"
+    c.JupyterHub.cookie_secret_file = str(state / "jupyterhub_cookie_secret")
+    c.JupyterHub.pid_file = str(state / "jupyterhub.pid")
+    c.JupyterHub.cleanup_servers = True  # stopping the hub stops every student's server
+    c.ConfigurableHTTPProxy.command = [str(PROXY_COMMAND)]
+    c.ConfigurableHTTPProxy.api_url = f"http://127.0.0.1:{int(os.environ.get(PROXY_API_PORT_ENV, 8001))}"
+    c.ConfigurableHTTPProxy.auth_token = _read_or_make(state / "proxy_token", 32)
+    c.ConfigurableHTTPProxy.pid_file = str(state / "proxy.pid")
+
+    c.JupyterHub.authenticator_class = "pam"
+    c.PAMAuthenticator.open_sessions = False
+    c.Authenticator.allowed_users = {student.name for student in read_roster(settings.roster)}
+    c.Authenticator.admin_users = set(settings.instructors)
+
+    if settings.spawner == "systemd":
+        c.JupyterHub.spawner_class = "systemdspawner.SystemdSpawner"
+        c.SystemdSpawner.unit_name_template = "labsrc-{USERNAME}"
+    else:
+        c.JupyterHub.spawner_class = "localprocess"
+    c.Spawner.cmd = [str(venv_bin / "jupyterhub-singleuser")]
+    c.Spawner.notebook_dir = f"~/{settings.course_folder}"
+    c.Spawner.default_url = "/lab/tree/notebooks/00_setup.ipynb"
+    c.Spawner.args = ["--KernelSpecManager.allowed_kernelspecs=labsrc",
+                      "--MappingKernelManager.default_kernel_name=labsrc",
+                      f"--LabApp.app_settings_dir={ROOT / 'jupyter' / 'settings'}", *settings.extra_server_args]
+    c.Spawner.environment = environment(settings)
+    c.Spawner.mem_limit = settings.mem_limit or None
+    c.Spawner.start_timeout = c.Spawner.http_timeout = 120  # a busy server starts a JupyterLab slowly
+    c.Spawner.pre_spawn_hook = lambda spawner: copy_notebooks(spawner.user.name, settings.course_folder,
+                                                              settings.nbgrader_exchange)
+
+    c.JupyterHub.services = [{"name": "idle-culler", "command": [
+        sys.executable, "-m", "jupyterhub_idle_culler", f"--timeout={settings.idle_timeout_s}"]}]
+    c.JupyterHub.load_roles = [{"name": "idle-culler", "scopes": CULLER_SCOPES, "services": ["idle-culler"]}]
