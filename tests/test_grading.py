@@ -1,0 +1,236 @@
+"""The grading flow end to end: two students fetch lesson 06's exercise sheet, answer it (one right, one wrong),
+submit through the exchange; the instructor collects, autogrades, exports; the gradebook and the summary say who
+passed what, and the summary's commonest message is the checker's verdict on the wrong answer.
+
+As root (CI) the students are real system users, created here and removed at teardown, each fetching and
+submitting as themselves from their own home. Otherwise (a learner's machine) both students are the current
+account under two nbgrader identities (its user name replaced in nbgrader's own lookup): fetch and submit still go
+through the exchange folder, collect and autograde are unchanged.
+"""
+from __future__ import annotations
+
+import csv
+import grp
+import inspect
+import os
+import pwd
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("nbgrader", reason="nbgrader is an extra: pip install -r requirements-classroom.txt")
+nbformat = pytest.importorskip("nbformat")
+
+from labsrc.core.exercises import ExerciseFailed, load_solution  # noqa: E402
+from labsrc.exercises.performance_scaling import check_predict_step_time  # noqa: E402
+from labsrc.grading import __main__ as grading  # noqa: E402
+from labsrc.grading.course import REPO, Course  # noqa: E402
+from labsrc.grading.exercises import read_lesson  # noqa: E402
+from labsrc.grading.summary import report  # noqa: E402
+
+LESSON = "06_performance_scaling"  # three exercises whose checkers are arithmetic: the sheet grades in seconds
+AS_ROOT = os.geteuid() == 0
+TAG = uuid.uuid4().hex[:6]
+RIGHT, WRONG = f"right{TAG}", f"wrong{TAG}"
+
+WRONG_PREDICT = '''\
+def predict_step_time(compute_s, gradient_bytes, n, link, overlap):
+    communication = 2 * n * (link.alpha_s + gradient_bytes / n * link.beta_s_per_byte)  # n messages, not n - 1
+    return compute_s + communication - overlap * min(compute_s, communication)
+'''
+
+
+def solution_source(name: str) -> str:
+    return "import math\n\n\n" + inspect.getsource(load_solution("performance_scaling", name))
+
+
+ANSWERS = {  # per student: answer cell grade_id -> what the student wrote (None: the stub left as it was)
+    RIGHT: {f"answer_{name}": solution_source(name) for name in ("predict_step_time", "ring_vs_tree", "largest_world")},
+    WRONG: {"answer_predict_step_time": WRONG_PREDICT, "answer_ring_vs_tree": solution_source("ring_vs_tree"),
+            "answer_largest_world": None},
+}
+
+
+class Students:
+    """Two students with homes of their own, running nbgrader as themselves (root) or as an nbgrader identity."""
+
+    def __init__(self, base: Path):
+        self.base = base
+        self.homes: dict[str, Path] = {}
+
+    def add(self, name: str) -> None:
+        if AS_ROOT:
+            subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", name], check=True)
+            self.homes[name] = Path(pwd.getpwnam(name).pw_dir)
+        else:
+            self.homes[name] = self.base / name
+            self.homes[name].mkdir()
+
+    def remove(self) -> None:
+        for name in self.homes:
+            if AS_ROOT:
+                subprocess.run(["userdel", "--remove", name], check=False, capture_output=True)
+                try:
+                    grp.getgrnam(name)
+                    subprocess.run(["groupdel", name], check=False, capture_output=True)
+                except KeyError:
+                    pass
+
+    def give(self, name: str, path: Path) -> None:
+        if AS_ROOT:
+            entry = pwd.getpwnam(name)
+            for item in [path, *path.rglob("*")] if path.is_dir() else [path]:
+                os.chown(item, entry.pw_uid, entry.pw_gid)
+
+    def nbgrader(self, name: str, *arguments: str) -> str:
+        """nbgrader run by the student, in their home, with their own ~/.jupyter config and nothing of ours.
+
+        In a child forked from this process: as root it becomes the student (uid, gid, groups) once nbgrader is
+        loaded, since this machine's Python lives under /root, which other users cannot enter (on a class server
+        students run nbgrader from their own JupyterLab). Otherwise nbgrader's user-name lookup answers `name`.
+        """
+        import nbgrader.apps.nbgraderapp as app  # loaded here, while the Python's own files can still be read
+        import nbgrader.exchange.default  # noqa: F401
+        home, log = self.homes[name], self.base / f"{name}-{arguments[0]}.log"
+        pid = os.fork()
+        if pid == 0:  # the child: never returns into pytest
+            code = 1
+            try:
+                with log.open("w") as out:
+                    os.dup2(out.fileno(), 1)
+                    os.dup2(out.fileno(), 2)
+                if AS_ROOT:
+                    entry = pwd.getpwnam(name)
+                    os.setgroups([])
+                    os.setgid(entry.pw_gid)
+                    os.setuid(entry.pw_uid)
+                else:
+                    import nbgrader.utils
+                    nbgrader.utils.get_osusername = lambda: name
+                os.environ.update(HOME=str(home), USER=name, LOGNAME=name)
+                os.environ.pop("JUPYTER_CONFIG_DIR", None)
+                os.chdir(home)
+                sys.argv = ["nbgrader", *arguments]
+                app.NbGraderApp.launch_instance()
+                code = 0
+            except SystemExit as exit:
+                code = exit.code if isinstance(exit.code, int) else 1
+            except BaseException:
+                import traceback
+                traceback.print_exc()
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        output = log.read_text()
+        assert os.waitstatus_to_exitcode(status) == 0, f"{name}: nbgrader {arguments[0]} failed:\n{output}"
+        return output
+
+
+def answer(path: Path, answers: dict[str, str | None]) -> None:
+    """Write a student's answers into their fetched sheet, cell by cell, as they would in JupyterLab."""
+    notebook = nbformat.read(path, as_version=4)
+    found = set()
+    for cell in notebook.cells:
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if grade_id in answers:
+            found.add(grade_id)
+            assert "raise NotImplementedError()" in cell.source, f"{grade_id}: the released sheet shows the solution"
+            if answers[grade_id] is not None:
+                cell.source = answers[grade_id]
+    assert found == set(answers), f"the sheet's answer cells are {found}, expected {set(answers)}"
+    nbformat.write(notebook, path)
+
+
+@pytest.fixture
+def exchange_folder():
+    """A folder the students can reach (pytest's tmp_path is its owner's alone)."""
+    folder = Path(tempfile.mkdtemp(prefix="labsrc-exchange-"))
+    folder.chmod(0o755)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def students(tmp_path):
+    made = Students(tmp_path / "homes")
+    made.base.mkdir()
+    try:
+        for name in (RIGHT, WRONG):
+            made.add(name)
+        yield made
+    finally:
+        made.remove()
+
+
+def test_grading_flow_end_to_end(tmp_path, exchange_folder, students, capsys):
+    course_dir, exchange = tmp_path / "course", exchange_folder / "exchange"
+    roster = tmp_path / "roster.txt"
+    roster.write_text(f"# login, first name, last name, email\n{RIGHT},Ada,Right\n{WRONG},Bob,Wrong,b@example.org\n")
+    run = lambda *steps: grading.main(["--course-dir", str(course_dir), *steps])  # noqa: E731
+    run("setup", "--course-id", "dtc", "--exchange", str(exchange), "--roster", str(roster))
+    run("generate", LESSON)
+    run("release", LESSON)
+
+    for name in (RIGHT, WRONG):
+        config = students.homes[name] / ".jupyter" / "nbgrader_config.py"
+        config.parent.mkdir()
+        shutil.copy(course_dir / "student_nbgrader_config.py", config)
+        students.give(name, config.parent)
+        students.nbgrader(name, "fetch_assignment", LESSON)
+        sheet = students.homes[name] / "dtc" / LESSON / f"{LESSON}.ipynb"
+        answer(sheet, ANSWERS[name])
+        students.give(name, sheet)
+        students.nbgrader(name, "submit", LESSON)
+    inbound = sorted(path.name.split("+")[0] for path in (exchange / "dtc" / "inbound").iterdir())
+    assert inbound == sorted([RIGHT, WRONG]), f"the exchange's inbound holds {inbound}"
+    if AS_ROOT:  # each submission is its student's own file
+        owners = {pwd.getpwuid(path.stat().st_uid).pw_name for path in (exchange / "dtc" / "inbound").iterdir()}
+        assert owners == {RIGHT, WRONG}
+
+    capsys.readouterr()
+    run("after-class", LESSON)  # collect, autograde, export, summary
+    printed = capsys.readouterr().out
+
+    course = Course(course_dir)
+    with (course.reports / "grades.csv").open() as handle:
+        totals = {row["student_id"]: (float(row["score"]), float(row["max_score"])) for row in csv.DictReader(handle)}
+    assert totals == {RIGHT: (3.0, 3.0), WRONG: (1.0, 3.0)}, f"nbgrader's export: {totals}"
+    with (course.reports / f"{LESSON}_exercises.csv").open() as handle:
+        scores = {(row["student"], row["exercise"]): float(row["score"]) for row in csv.DictReader(handle)}
+    assert scores == {(RIGHT, "predict_step_time"): 1, (RIGHT, "ring_vs_tree"): 1, (RIGHT, "largest_world"): 1,
+                      (WRONG, "predict_step_time"): 0, (WRONG, "ring_vs_tree"): 1, (WRONG, "largest_world"): 0}
+
+    with pytest.raises(ExerciseFailed) as verdict:  # what the checker says to the wrong answer, here in-process
+        namespace = {}
+        exec(WRONG_PREDICT, namespace)
+        check_predict_step_time(namespace["predict_step_time"])
+    _, summaries = report(course, LESSON)
+    by_exercise = {summary.exercise: summary for summary in summaries}
+    assert (by_exercise["predict_step_time"].passed, by_exercise["predict_step_time"].failed) == (1, 1)
+    assert by_exercise["predict_step_time"].commonest_message == f"ExerciseFailed: {verdict.value}".splitlines()[0]
+    assert by_exercise["largest_world"].commonest_message.startswith("NotImplementedError")
+    assert (by_exercise["ring_vs_tree"].passed, by_exercise["ring_vs_tree"].commonest_count) == (2, 0)
+    assert str(verdict.value).splitlines()[0][:80] in printed, "the summary printed names the checker's message"
+    assert (course.reports / f"{LESSON}_summary.md").read_text().count("|") > 10
+
+
+def test_every_lesson_with_exercises_becomes_a_sheet():
+    """All lessons' sheets build: one autograder test per checker call, solutions only between the markers."""
+    from labsrc.grading.exercises import gradable_lessons
+    from labsrc.grading.sheets import build_sheet
+    lessons, skipped = gradable_lessons(REPO / "notebooks")
+    assert len(lessons) >= 14 and set(skipped) <= {"01b_your_ddp_script", "10b_elastic_membership"}, skipped
+    for lesson in lessons:
+        cells = build_sheet(lesson).cells
+        tests = [cell for cell in cells if cell.metadata["nbgrader"]["grade"]]
+        assert [cell.metadata["nbgrader"]["grade_id"] for cell in tests] == [e.grade_id for e in lesson.exercises]
+        assert all(cell.metadata["nbgrader"]["locked"] and "load_solution" not in cell.source for cell in tests)
+        answers = [cell for cell in cells if cell.metadata["nbgrader"]["solution"]]
+        assert answers and all("### BEGIN SOLUTION" in cell.source for cell in answers), lesson.name
+        assert not any("load_solution" in cell.source for cell in cells), f"{lesson.name}: a way to the reference"
+    assert read_lesson(REPO / "notebooks" / f"{LESSON}.ipynb").exercises[0].checker == "check_predict_step_time"
