@@ -6,7 +6,7 @@ STAMP := $(VENV)/.stamp-installed
 NOTEBOOK_TIMEOUT ?= 300
 
 .PHONY: setup lab format-notebooks reset-notebooks test test-unit test-notebooks slides slides-figures doctor bench bench-nodes clean \
-	tensorflow test-tensorflow deepspeed test-deepspeed test-torch gpu-kit \
+	tensorflow test-tensorflow deepspeed test-deepspeed test-torch gpu-kit test-grading \
 	slurm-packages slurm-cluster slurm-cluster-stop test-slurm
 
 # Reinstalls only when the pinned requirements or the package metadata change. CPU_ONLY=1 (on a new .venv) takes
@@ -117,6 +117,12 @@ deepspeed: setup
 
 test-deepspeed: deepspeed
 	DS_ACCELERATOR=cpu LABSRC_PROFILE=ci $(PYTHON) -m pytest tests/test_deepspeed.py
+
+# Exercises collected and graded with nbgrader (INSTRUCTORS.md section 5, "Grading"): the classroom extra added
+# to the course's venv, then the flow end to end for two students (real system users as root).
+test-grading: setup
+	$(PYTHON) -m pip install -q -r requirements-classroom.txt
+	LABSRC_PROFILE=ci LABSRC_HEADLESS=1 MPLBACKEND=Agg $(PYTHON) -m pytest tests/test_grading.py
 
 # The course on another torch of the range it supports (2.11 through 2.14): its own venv .venv-torch<version>
 # (torchvision 0.<minor + 15>.<patch>: torchvision pins its torch), then every unit test and notebook, as `make test` runs them.

@@ -9,6 +9,7 @@ never on the reference. Nothing is copied by hand: edit the lesson or solutions/
 from __future__ import annotations
 
 import ast
+import re
 import textwrap
 from pathlib import Path
 
@@ -152,8 +153,9 @@ def build_sheet(lesson: Lesson) -> nbformat.NotebookNode:
     title = next((cell.source.splitlines()[0].lstrip("# ") for cell in cells
                   if cell.cell_type == "markdown" and cell.source.startswith("#")), lesson.name)
     checkers = sorted({exercise.checker for exercise in lesson.exercises})
+    stubs = "\n".join(cells[index].source for exercise in lesson.exercises for index in exercise.answer_cells)
     setup = "\n".join(["# the names the exercises use, and the checkers that grade them (read-only)",
-                       *solutions.preamble(), "",
+                       *dict.fromkeys([*solutions.preamble(), *lesson_imports_named_in(cells, stubs)]), "",
                        f"from labsrc.exercises.{lesson.module} import {', '.join(checkers)}"])
     sheet = [_nbgrader(nbformat.v4.new_markdown_cell(_intro(lesson, title)), "intro", locked=True),
              _nbgrader(nbformat.v4.new_code_cell(setup), "setup", locked=True)]
@@ -175,6 +177,26 @@ def build_sheet(lesson: Lesson) -> nbformat.NotebookNode:
     out = nbformat.v4.new_notebook(cells=sheet)
     out.metadata = {key: notebook.metadata[key] for key in ("kernelspec", "language_info") if key in notebook.metadata}
     return out
+
+
+def lesson_imports_named_in(cells, text: str) -> list[str]:
+    """The lesson's own imports of names its stubs mention as `name.` (a hint saying `eft.capture_rng()`)."""
+    found = []
+    for cell in cells:
+        if cell.cell_type != "code":
+            continue
+        try:
+            tree = ast.parse(cell.source)
+        except SyntaxError:
+            continue
+        for node in tree.body:
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and any(
+                    re.search(rf"(?<![\w.]){re.escape((alias.asname or alias.name).split('.')[0])}\.", text)
+                    for alias in node.names):
+                segment = _segment(cell.source, node)
+                if segment not in found:
+                    found.append(segment)
+    return found
 
 
 def defined_here(source: str, lesson: Lesson) -> dict[str, str]:

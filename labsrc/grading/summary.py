@@ -55,7 +55,8 @@ def test_cell_messages(notebook: Path) -> dict[str, str]:
             continue
         for output in cell.get("outputs", []):
             if output.get("output_type") == "error":
-                messages[meta["grade_id"]] = _first_line(f"{output['ename']}: {output['evalue']}")
+                said = f"{output['ename']}: {output['evalue']}" if output["evalue"].strip() else output["ename"]
+                messages[meta["grade_id"]] = _first_line(said)
     return messages
 
 
