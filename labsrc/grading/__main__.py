@@ -51,7 +51,10 @@ def setup(course: Course, arguments) -> None:
         print(f"students' config installed: {target}")
     roster = Path(arguments.roster) if arguments.roster else DEFAULT_ROSTER
     if roster.exists():
-        students = read_roster(roster)
+        try:
+            students = read_roster(roster)
+        except ValueError as bad:
+            raise SystemExit(str(bad)) from None
         course.add_students(students)
         print(f"{len(students)} students from {roster}")
     elif arguments.roster:

@@ -16,7 +16,7 @@ from pathlib import Path
 import nbformat
 
 from labsrc.core.exercises import solutions_root
-from labsrc.grading.exercises import Exercise, Lesson
+from labsrc.grading.exercises import CHECKERS, Exercise, Lesson
 
 SCHEMA_VERSION = 3  # nbgrader's cell metadata schema (nbgrader 0.9)
 HIDDEN_IMPORTS = {"load_solution"}  # names an answer cell must not hand the student
@@ -120,15 +120,42 @@ def _answer_function(source: str, stub: ast.FunctionDef, solution: str, solution
     return "\n".join([header, *comments, f"{indent}### BEGIN SOLUTION", body, f"{indent}### END SOLUTION"])
 
 
-def _task_text(cells, answer_cell: int, used: set[int]) -> list:
-    """The markdown cells right above an answer cell (the lesson's statement of the exercise)."""
+_IN_SENTENCE = r"(?:[^.]|\.(?!\s|$))*"  # up to a full stop that ends a sentence (not one in `solutions/x.py`)
+FALLBACK_SENTENCE = re.compile(rf"{_IN_SENTENCE}(?:untouched|still raises?|In CI){_IN_SENTENCE}"
+                               rf"(?:reference|solutions/){_IN_SENTENCE}\.(?:\s+|$)")
+EXERCISE_HEADING = re.compile(r"^#+ .*(exercise|your turn)", re.IGNORECASE | re.MULTILINE)
+
+
+def _task_text(cells, answer_cell: int, names: list[str], used: set[int]) -> list[str]:
+    """The lesson's statement of an exercise: the markdown cells right above its answer cell that name it (or say
+    "exercise"), from the exercises' heading at most, without the lesson's sentences about falling back to the
+    reference."""
     found = []
     index = answer_cell - 1
     while index >= 0 and cells[index].cell_type == "markdown" and index not in used:
-        found.insert(0, index)
+        text = cells[index].source
+        heading = EXERCISE_HEADING.search(text)
+        if heading:
+            found.insert(0, text[heading.start():])
+            used.add(index)
+            break
+        if text.lstrip().startswith("#") or not (re.search("exercise", text, re.IGNORECASE)
+                                                 or any(f"`{name}" in text for name in names)):
+            break
+        found.insert(0, text)
+        used.add(index)
         index -= 1
-    used.update(found)
-    return [cells[i] for i in found]
+    return [FALLBACK_SENTENCE.sub("", text).strip() for text in found]
+
+
+def _checked(lesson: Lesson, exercise: Exercise) -> str:
+    """What the checker checks, from its docstring."""
+    tree = ast.parse((CHECKERS / f"{lesson.module}.py").read_text())
+    checker = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == exercise.checker)
+    said = " ".join((ast.get_docstring(checker) or "").split())
+    if len(exercise.answers) == 1 and checker.args.args:  # the checker's name for the function -> the student's
+        said = re.sub(rf"\b{checker.args.args[0].arg}\(", f"{exercise.answers[0].function}(", said)
+    return f"**`{exercise.grade_id}`**, {exercise.points} point{'s' * (exercise.points > 1)}. The checker: {said}"
 
 
 def _intro(lesson: Lesson, title: str) -> str:
@@ -166,10 +193,11 @@ def build_sheet(lesson: Lesson) -> nbformat.NotebookNode:
             if index in written:  # one cell can define the stubs of two exercises
                 continue
             written.add(index)
-            for position, text in enumerate(_task_text(cells, index, used)):
-                sheet.append(_nbgrader(nbformat.v4.new_markdown_cell(text.source),
-                                       f"task_{index}_{position}", locked=True))
             stubs = defined_here(cells[index].source, lesson)
+            texts = _task_text(cells, index, list(stubs), used)
+            texts += [_checked(lesson, other) for other in lesson.exercises if index in other.answer_cells]
+            for position, text in enumerate(texts):
+                sheet.append(_nbgrader(nbformat.v4.new_markdown_cell(text), f"task_{index}_{position}", locked=True))
             sheet.append(_nbgrader(nbformat.v4.new_code_cell(answer_source(cells[index].source, stubs, solutions)),
                                    f"answer_{'_'.join(stubs)}", solution=True))
         sheet.append(_nbgrader(nbformat.v4.new_code_cell(test_source(exercise)), exercise.grade_id,

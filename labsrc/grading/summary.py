@@ -42,8 +42,12 @@ class ExerciseSummary:
 
 
 def _first_line(text: str) -> str:
-    line = next((line for line in text.splitlines() if line.strip()), "")
-    return line[:MESSAGE_CHARACTERS]
+    """The message's first line; when it ends with ':' (a rank's traceback follows), its last line too."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        return ""
+    said = lines[0] if not lines[0].endswith(":") or len(lines) == 1 else f"{lines[0]} ... {lines[-1]}"
+    return said[:MESSAGE_CHARACTERS]
 
 
 def test_cell_messages(notebook: Path) -> dict[str, str]:
