@@ -171,7 +171,8 @@ def students(tmp_path):
 def test_grading_flow_end_to_end(tmp_path, exchange_folder, students, capsys):
     course_dir, exchange = tmp_path / "course", exchange_folder / "exchange"
     roster = tmp_path / "roster.txt"
-    roster.write_text(f"# login, first name, last name, email\n{RIGHT},Ada,Right\n{WRONG},Bob,Wrong,b@example.org\n{ABSENT}\n")
+    roster.write_text(f"# login, first name, last name, email\n{RIGHT},Ada,Right\n{WRONG},Bob,Wrong,b@example.org\n"
+                      f"{ABSENT}\n")
     run = lambda *steps: grading.main(["--course-dir", str(course_dir), *steps])  # noqa: E731
     run("setup", "--course-id", "dtc", "--exchange", str(exchange), "--roster", str(roster))
     run("generate", LESSON)
@@ -251,3 +252,16 @@ def test_a_roster_line_that_is_not_a_login_is_named(tmp_path):
     roster.write_text("ada, Ada, Lovelace, ada@example.org\nbob  # no name given\n")
     assert [(s.id, s.last_name, s.email) for s in read_roster(roster)] == [("ada", "Lovelace", "ada@example.org"),
                                                                            ("bob", None, None)]
+
+
+def test_a_sheet_grades_the_reference_right_and_the_stub_wrong(capsys, monkeypatch):
+    """`verify` on lesson 13 (one arithmetic exercise): the reference passes its test, the released stub fails it;
+    a sheet whose test checked the reference instead of the student's function is caught."""
+    from labsrc.grading import sheets
+    grading.main(["verify", "13"])
+    assert "13_capstone: OK" in capsys.readouterr().out
+    monkeypatch.setattr(sheets, "test_source", lambda exercise: "from labsrc.core.exercises import load_solution\n"
+                        f"{exercise.checker}(load_solution('capstone', 'learning_rate'))")
+    with pytest.raises(SystemExit, match="cannot grade"):
+        grading.main(["verify", "13"])
+    assert "13_capstone: NOT READY: with the stub, test learning_rate passed" in capsys.readouterr().out

@@ -3,6 +3,7 @@
     setup --course-id NAME [--exchange DIR] [--roster FILE]   course folder, nbgrader_config.py, students
     lessons                                                  the gradable lessons, their exercises and points
     generate [LESSON ...]                                    exercise sheets from the lessons (all by default)
+    verify [LESSON ...]                                      each sheet graded with the reference and with the stubs
     release LESSON                                           students can fetch it
     collect LESSON / autograde LESSON / export / summary LESSON
     after-class LESSON                                       collect + autograde + export + summary
@@ -89,6 +90,17 @@ def list_lessons() -> None:
         print(f"{name}: not graded: {reason}")
 
 
+def verify_sheets(names: list[str]) -> None:
+    from labsrc.grading.verify import describe, verify
+    lessons = [find_lesson(name) for name in names] if names else gradable_lessons(NOTEBOOKS)[0]
+    verdicts = []
+    for lesson in lessons:
+        verdicts.append(verify(lesson))
+        print(describe(verdicts[-1]), flush=True)
+    if not all(verdict.ok for verdict in verdicts):
+        raise SystemExit("some sheets cannot grade: see above")
+
+
 def autograde(course: Course, lesson: Lesson) -> None:
     course.nbgrader("autograde", lesson.name, "--force", env=grading_env())
 
@@ -113,6 +125,8 @@ def parser() -> argparse.ArgumentParser:
                       help="write the students' config to /etc/jupyter/nbgrader_config.py (class server, as root)")
     steps.add_parser("lessons", help="the gradable lessons, their exercises and points")
     steps.add_parser("generate", help="exercise sheets from the lessons").add_argument("lessons", nargs="*")
+    steps.add_parser("verify", help="run each sheet with the reference (all pass) and the stubs (all fail)"
+                     ).add_argument("lessons", nargs="*")
     for step in ("release", "collect", "autograde", "summary", "after-class"):
         steps.add_parser(step).add_argument("lesson")
     steps.add_parser("export", help="reports/grades.csv from the gradebook")
@@ -124,6 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     course = Course(Path(arguments.course_dir).resolve())
     if arguments.step == "lessons":
         return list_lessons()
+    if arguments.step == "verify":
+        return verify_sheets(arguments.lessons)
     if arguments.step == "setup":
         return setup(course, arguments)
     course.require()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -113,12 +114,20 @@ class Course:
         """One nbgrader command in the course folder; its output shown; SystemExit naming the step if it fails."""
         command = [sys.executable, "-m", "nbgrader", *arguments]
         print("$", "nbgrader", *arguments, flush=True)
-        done = subprocess.run(command, cwd=self.root, env={**os.environ, "PATH": tools_path(), **(env or {})}, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=STEP_TIMEOUT_S)
-        print(done.stdout, end="", flush=True)
-        if done.returncode != 0:
-            raise SystemExit(f"nbgrader {arguments[0]} failed (exit {done.returncode}): see its output above")
-        return done
+        environment = {**os.environ, "PATH": tools_path(), **(env or {})}
+        process = subprocess.Popen(command, cwd=self.root, env=environment, text=True, start_new_session=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            output, _ = process.communicate(timeout=STEP_TIMEOUT_S)
+        except BaseException:  # a timeout or an interrupt: the step and its kernels end with it
+            os.killpg(process.pid, signal.SIGKILL)
+            process.communicate()
+            raise SystemExit(f"nbgrader {arguments[0]} stopped (over {STEP_TIMEOUT_S} s, or interrupted); "
+                             "its kernels too") from None
+        print(output, end="", flush=True)
+        if process.returncode != 0:
+            raise SystemExit(f"nbgrader {arguments[0]} failed (exit {process.returncode}): see its output above")
+        return subprocess.CompletedProcess(command, process.returncode, output)
 
 
 def tools_path() -> str:
@@ -138,7 +147,8 @@ def prepare_exchange(exchange: Path) -> None:
 
 
 def grading_env() -> dict[str, str]:
-    """What the autograder's kernels run with: the ci profile (exercises, not class-scale runs), no windows, this labsrc."""
+    """What the autograder's kernels run with: the ci profile (exercises, not class-scale runs), no windows, this
+    checkout's labsrc."""
     path = os.environ.get("PYTHONPATH", "")
     return {"LABSRC_PROFILE": "ci", "LABSRC_HEADLESS": "1", "MPLBACKEND": "Agg",
             "PYTHONPATH": os.pathsep.join([str(REPO), *([path] if path else [])])}
