@@ -1,6 +1,7 @@
-"""The grading flow end to end: two students fetch lesson 06's exercise sheet, answer it (one right, one wrong),
-submit through the exchange; the instructor collects, autogrades, exports; the gradebook and the summary say who
-passed what, and the summary's commonest message is the checker's verdict on the wrong answer.
+"""The grading flow end to end: two students fetch lesson 06's exercise sheet, answer it (one right; one wrong, with
+an answer that never ends, stopped by the grader's per-cell limit) and submit through the exchange; a third on the
+roster never submits. The instructor collects, autogrades, exports: the gradebook and the summary say who passed
+what, and the summary's commonest message is the checker's verdict on the wrong answer.
 
 As root (CI) the students are real system users, created here and removed at teardown, each fetching and
 submitting as themselves from their own home. Otherwise (a learner's machine) both students are the current
@@ -50,10 +51,13 @@ def solution_source(name: str) -> str:
     return "import math\n\n\n" + inspect.getsource(load_solution("performance_scaling", name))
 
 
+CELL_TIMEOUT_S = 30  # the autograder's limit on one cell, here: its checkers take well under a second
+
 ANSWERS = {  # per student: answer cell grade_id -> what the student wrote (None: the stub left as it was)
+    # the wrong student: a wrong formula, a right one, and an answer that never ends
     RIGHT: {f"answer_{name}": solution_source(name) for name in ("predict_step_time", "ring_vs_tree", "largest_world")},
     WRONG: {"answer_predict_step_time": WRONG_PREDICT, "answer_ring_vs_tree": solution_source("ring_vs_tree"),
-            "answer_largest_world": None},
+            "answer_largest_world": "import time\n\ntime.sleep(600)  # never ends: the grader's cell limit stops it"},
 }
 
 
@@ -174,7 +178,8 @@ def test_grading_flow_end_to_end(tmp_path, exchange_folder, students, capsys):
     roster.write_text(f"# login, first name, last name, email\n{RIGHT},Ada,Right\n{WRONG},Bob,Wrong,b@example.org\n"
                       f"{ABSENT}\n")
     run = lambda *steps: grading.main(["--course-dir", str(course_dir), *steps])  # noqa: E731
-    run("setup", "--course-id", "dtc", "--exchange", str(exchange), "--roster", str(roster))
+    run("setup", "--course-id", "dtc", "--exchange", str(exchange), "--roster", str(roster),
+        "--cell-timeout", str(CELL_TIMEOUT_S))
     run("generate", LESSON)
     run("release", LESSON)
 
@@ -217,7 +222,8 @@ def test_grading_flow_end_to_end(tmp_path, exchange_folder, students, capsys):
     counts = {name: (summary.passed, summary.failed, summary.not_submitted) for name, summary in by_exercise.items()}
     assert counts == {"predict_step_time": (1, 1, 1), "ring_vs_tree": (2, 0, 1), "largest_world": (1, 1, 1)}
     assert by_exercise["predict_step_time"].commonest_message == f"ExerciseFailed: {verdict.value}".splitlines()[0]
-    assert by_exercise["largest_world"].commonest_message.startswith("NotImplementedError")
+    assert by_exercise["largest_world"].commonest_message == (
+        "NameError: name 'largest_world' is not defined (after cell answer_largest_world raised CellTimeoutError)")
     assert by_exercise["ring_vs_tree"].commonest_count == 0
     assert str(verdict.value).splitlines()[0][:80] in printed, "the summary printed names the checker's message"
     assert (course.reports / f"{LESSON}_summary.md").read_text().count("|") > 10

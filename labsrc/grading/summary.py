@@ -52,15 +52,22 @@ def _first_line(text: str) -> str:
 
 def test_cell_messages(notebook: Path) -> dict[str, str]:
     """grade_id -> the error its test cell raised, for every test cell of an autograded notebook that failed."""
-    messages = {}
+    messages, earlier = {}, ""
     for cell in nbformat.read(notebook, as_version=4).cells:
         meta = cell.metadata.get("nbgrader", {})
-        if cell.cell_type != "code" or not meta.get("grade"):
+        if cell.cell_type != "code":
             continue
+        if meta.get("solution"):  # an answer cell: what an earlier one raised no longer explains what follows
+            earlier = ""
         for output in cell.get("outputs", []):
-            if output.get("output_type") == "error":
-                said = f"{output['ename']}: {output['evalue']}" if output["evalue"].strip() else output["ename"]
-                messages[meta["grade_id"]] = _first_line(said)
+            if output.get("output_type") != "error":
+                continue
+            said = _first_line(f"{output['ename']}: {output['evalue']}" if output["evalue"].strip()
+                               else output["ename"])
+            if meta.get("grade"):
+                messages[meta["grade_id"]] = said + earlier
+            else:  # an answer cell that raised (or ran past the time limit) explains the tests after it
+                earlier = f" (after cell {meta.get('grade_id', '?')} raised {said})"
     return messages
 
 
