@@ -7,7 +7,7 @@ NOTEBOOK_TIMEOUT ?= 300
 
 .PHONY: setup lab format-notebooks reset-notebooks test test-unit test-notebooks test-load slides slides-figures doctor bench bench-nodes clean \
 	tensorflow test-tensorflow deepspeed test-deepspeed test-torch gpu-kit \
-	slurm-packages slurm-cluster slurm-cluster-stop test-slurm classroom class-server class-server-stop test-class-server
+	slurm-packages slurm-cluster slurm-cluster-stop test-slurm classroom class-server class-server-stop test-class-server test-grading
 
 # Reinstalls only when the pinned requirements or the package metadata change. CPU_ONLY=1 (on a new .venv) takes
 # torch and torchvision at requirements.txt's pins from PyTorch's CPU index first: no CUDA libraries (see README).
@@ -56,9 +56,9 @@ format-notebooks: setup
 reset-notebooks: setup
 	$(PYTHON) -m labsrc.core.notebook_reset
 
-# The extras' tests (an emulated Slurm cluster) run in their own targets, which install what they need: `make test`
+# The extras' tests (an emulated Slurm cluster, the class server, grading) run in their own targets, which install what they need: `make test`
 # leaves them out so a machine that has them installed does not run them twice in CI.
-EXTRA_TESTS := --ignore=tests/test_slurm_cluster.py
+EXTRA_TESTS := --ignore=tests/test_slurm_cluster.py --ignore=tests/test_class_server.py --ignore=tests/test_grading.py
 
 test: setup
 	LABSRC_PROFILE=ci LABSRC_HEADLESS=1 MPLBACKEND=Agg $(PYTHON) -m pytest tests notebooks $(EXTRA_TESTS) \
@@ -161,6 +161,11 @@ deepspeed: setup
 
 test-deepspeed: deepspeed
 	DS_ACCELERATOR=cpu LABSRC_PROFILE=ci $(PYTHON) -m pytest tests/test_deepspeed.py
+
+# Exercises collected and graded with nbgrader (INSTRUCTORS.md section 5, "Grading"): the classroom extra added
+# to the course's venv, then the flow end to end for two students (real system users as root).
+test-grading: $(VENV)/.stamp-classroom
+	LABSRC_PROFILE=ci LABSRC_HEADLESS=1 MPLBACKEND=Agg $(PYTHON) -m pytest tests/test_grading.py
 
 # The course on another torch of the range it supports (2.11 through 2.14): its own venv .venv-torch<version>
 # (torchvision 0.<minor + 15>.<patch>: torchvision pins its torch), then every unit test and notebook, as `make test` runs them.

@@ -31,13 +31,14 @@ class Student:
 
 
 def read_roster(path) -> list[Student]:
-    """Students from a roster: `username` or `username,Full Name` a line; blank lines and `#` comments skipped."""
+    """Students from a roster: `username[,Full Name[,email]]` a line (the email is the grader's); blank lines and
+    `#` comments skipped."""
     students, seen = [], set()
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
-        name, _, full_name = (part.strip() for part in line.partition(","))
+        name, full_name = ([part.strip() for part in line.split(",")] + [""])[:2]
         if not USERNAME.match(name):
             raise AccountError(f"{path}:{number}: {name!r} is not a valid username (lower case letters, digits, "
                                f"'_' or '-', starting with a letter, at most 32).")
