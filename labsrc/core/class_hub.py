@@ -6,6 +6,7 @@ launch leases its GPUs or cores from the server's pool. An idle culler runs as a
 """
 from __future__ import annotations
 
+import json
 import os
 import pwd
 import shutil
@@ -20,6 +21,13 @@ PROXY_API_PORT_ENV = "LABSRC_CLASS_PROXY_API_PORT"
 NOTEBOOKS = ROOT / "notebooks"
 LINKED = ("docs", "cluster")  # what the notebooks' links reach (../docs/...), read-only from the checkout
 CULLER_SCOPES = ["list:users", "read:users:activity", "read:servers", "delete:servers"]
+# nbgrader's instructor tools (the formgrader, "Create Assignment", the course list) hidden from students, whose
+# JupyterLab keeps the Assignments list (fetch, validate, submit); user-level config wins over the venv's.
+STUDENT_SERVER_CONFIG = {"ServerApp": {"jpserver_extensions": {"nbgrader.server_extensions.formgrader": False,
+                                                               "nbgrader.server_extensions.course_list": False}}}
+STUDENT_LAB_CONFIG = {"disabledExtensions": {"@jupyter/nbgrader:formgrader": True,
+                                             "@jupyter/nbgrader:create-assignment": True,
+                                             "@jupyter/nbgrader:course-list": True}}
 
 
 def home_of(name: str) -> Path:
@@ -47,14 +55,35 @@ def copy_notebooks(name: str, course_folder: str, exchange: Path | None = None) 
         if not link.is_symlink() and not link.exists():
             link.symlink_to(ROOT / name_linked)
             os.lchown(link, entry.pw_uid, entry.pw_gid)
+    jupyter = Path(entry.pw_dir) / ".jupyter"
+    for path, settings in ((jupyter / "jupyter_server_config.d" / "labsrc-student.json", STUDENT_SERVER_CONFIG),
+                           (jupyter / "labconfig" / "page_config.json", STUDENT_LAB_CONFIG)):
+        made += _merge_json(path, settings)
     if exchange is not None:
-        config = Path(entry.pw_dir) / ".jupyter" / "nbgrader_config.py"
+        config = jupyter / "nbgrader_config.py"
         if not config.exists():
-            config.parent.mkdir(exist_ok=True)
-            config.write_text(f"c = get_config()  # noqa\nc.Exchange.root = {str(exchange)!r}\n")
-            made += [config.parent, config]
+            config.write_text(f"c = get_config()  # noqa\nc.Exchange.root = {str(exchange)!r}\n"
+                              "c.Exchange.path_includes_course = True  # as the grader's course (labsrc.grading)\n")
+            made.append(config)
     for path in made:
         os.chown(path, entry.pw_uid, entry.pw_gid)
+    return made
+
+
+def _merge_json(path: Path, settings: dict) -> list[Path]:
+    """Add `settings` to the JSON config at `path` (a student's own keys stay); the folders and file it made."""
+    made = [folder for folder in (path.parent.parent, path.parent) if not folder.exists()]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    current = json.loads(path.read_text()) if path.exists() else {}
+    if not path.exists():
+        made.append(path)
+    for section, values in settings.items():  # two levels: {"ServerApp": {"jpserver_extensions": {...}}}
+        for key, value in values.items():
+            if isinstance(value, dict):
+                current.setdefault(section, {}).setdefault(key, {}).update(value)
+            else:
+                current.setdefault(section, {})[key] = value
+    path.write_text(json.dumps(current, indent=1) + "\n")
     return made
 
 
