@@ -34,7 +34,7 @@ def spread(samples: Sequence[float]) -> float:
 
 @dataclass(frozen=True)
 class Busy:
-    """One probe: how far identical CPU work spread, how much slower than its fastest repeat, the load per core."""
+    """One probe: how far identical CPU work spread, its wall time over its CPU time, the load per core."""
 
     spread: float
     slowdown: float
