@@ -30,3 +30,8 @@ def test_probe_sees_busy_neighbours_as_a_lost_share_of_the_core():
             hog.wait()
     assert loaded.slowdown > busy.QUIET_SLOWDOWN, loaded
     assert not loaded.quiet and "too busy to judge the fit" in loaded.verdict("the fit")
+
+
+def test_probe_asks_for_no_more_processes_than_usable_cores():
+    with pytest.raises(ValueError, match="usable cores"):
+        busy.probe(processes=busy.usable_cores() + 1)

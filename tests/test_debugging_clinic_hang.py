@@ -70,7 +70,8 @@ def test_failures_reads_every_block_of_torchruns_report():
     found = clinic_hang.failures(report)
     assert [(f["rank"], f["root"]) for f in found] == [(1, False), (0, True)]
     assert "ValueError: planted" in found[0]["traceback"] and "Connection" not in found[0]["traceback"]
-    assert clinic_hang.root_cause(report)["exitcode"].startswith("1 ") and clinic_hang.root_cause("no report") == {}
+    assert clinic_hang.root_cause(report)["exitcode"].startswith("1 ") and clinic_hang.root_cause(report)["rank"] == 0
+    assert clinic_hang.root_cause("no report") == {}
 
 
 def test_static_graph_refuses_a_parameter_used_on_some_steps_and_find_unused_trains():

@@ -42,6 +42,16 @@ def test_ring_model_is_the_plain_ring_inside_a_node_and_uses_every_nic_across_no
     assert one_nic - two_nodes == pytest.approx(7 * 1e9 * nic.beta_s_per_byte / 8), "8 NICs carry 8x the bytes"
 
 
+def test_tree_model_is_a_chain_in_each_node_and_two_trees_across_nodes_over_every_nic():
+    nvlink, nic = performance_scaling.NVLINK, performance_scaling.INFINIBAND
+    two_nodes = performance_scaling.tree_time_s(1e9, 16)
+    latency = 2 * (7 * nvlink.alpha_s + 1 * nic.alpha_s)  # reduce up, broadcast down: 7 NVLink hops, 1 tree level
+    bandwidth = 2 * 1e9 * nvlink.beta_s_per_byte + 2 * 1e9 * nic.beta_s_per_byte / 8
+    assert two_nodes == pytest.approx(latency + bandwidth)
+    one_nic = performance_scaling.tree_time_s(1e9, 16, nics_per_node=1)
+    assert one_nic - two_nodes == pytest.approx(7 * 2 * 1e9 * nic.beta_s_per_byte / 8), "8 NICs carry 8x the bytes"
+
+
 def test_tree_latency_grows_with_log2_of_the_nodes_and_ring_latency_with_the_gpus():
     def latency(model, gpus):
         return model(0.0, gpus)

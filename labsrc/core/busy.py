@@ -9,12 +9,17 @@ took. A lesson compares inside one run, interleaved and with medians; where it s
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Sequence
 
+ROOT = Path(__file__).resolve().parents[2]
 QUIET_SPREAD = 0.5
 """Repeats whose middle 80% spans less than half the median: a quiet enough machine (idle here: 0.03-0.2)."""
 QUIET_SLOWDOWN = 1.5
@@ -38,8 +43,8 @@ class Busy:
 
     spread: float
     slowdown: float
-    """Wall time over CPU time of the probe's work (median of repeats): 1 when it had a core to itself, ~4.5 when
-    nine busy processes share two cores."""
+    """Wall time over CPU time of the probe's work (median of repeats; the worst of its processes): 1 when each had
+    a core to itself, ~4.5 when nine busy processes share two cores."""
     load_per_core: float
     """The 1-minute load average over this process's usable cores (host-wide: in a container it counts neighbours)."""
 
@@ -55,29 +60,62 @@ class Busy:
                 f"load {self.load_per_core:.1f} per core: {state}")
 
 
-def _work(n: int) -> int:
-    total = 0
-    for i in range(n):
-        total += i * i
-    return total
-
-
-def probe(repeats: int = 7, work: int = 500_000) -> Busy:
-    """Time a fixed loop (about 25 ms of CPU, longer than a scheduler's slice) `repeats` times, spaced out.
-
-    A shorter piece of work would finish inside the time slice a waking process is given and look quiet on a busy
-    machine; 25 ms is preempted by the busy neighbours, so its wall time over its CPU time is the share it got.
-    """
-    if repeats < 3:
-        raise ValueError(f"probe needs at least 3 repeats, got {repeats}")
+def _timings(repeats: int, work: int) -> tuple[list[float], list[float]]:
+    """Wall times and wall/CPU ratios of `repeats` runs of a fixed loop, spaced out so a busy spell shows."""
     samples, ratios = [], []
     for _ in range(repeats):
         start, cpu = time.perf_counter(), time.thread_time()
-        _work(work)
+        total = 0
+        for i in range(work):
+            total += i * i
         wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
         samples.append(wall)
         ratios.append(wall / cpu if cpu > 0 else 1.0)
         time.sleep(0.01)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return samples, ratios
+
+
+_PEER = """import json, sys, time
+from labsrc.core.busy import _timings
+print("ready", flush=True)
+print(json.dumps(_timings({repeats}, {work})[1]), flush=True)
+"""
+
+
+def usable_cores() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def probe(repeats: int = 7, work: int = 500_000, processes: int | None = None) -> Busy:
+    """Time a fixed loop (about 25 ms of CPU, longer than a scheduler's slice) in `processes` processes at once.
+
+    A shorter piece of work would finish inside the time slice a waking process is given and look quiet on a busy
+    machine; 25 ms is preempted by the busy neighbours, so its wall time over its CPU time is the share it got.
+    Several processes at once (default: a 2-rank lab's two, at most the usable cores) see what a lab's ranks see:
+    one busy neighbour on a 2-core machine leaves one probe a free core, but not two.
+    """
+    if repeats < 3:
+        raise ValueError(f"probe needs at least 3 repeats, got {repeats}")
+    cores = usable_cores()
+    processes = min(2, cores) if processes is None else processes
+    if not 1 <= processes <= cores:
+        raise ValueError(f"probe runs 1 to {cores} (the usable cores) processes at once, got {processes}")
+    code = _PEER.format(repeats=repeats, work=work)
+    peers = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                   os.environ.get("PYTHONPATH", "")]))}) for _ in range(processes - 1)]
+    try:
+        for peer in peers:
+            peer.stdout.readline()  # "ready": the peers' loops start with this process's
+        samples, ratios = _timings(repeats, work)
+        medians = [statistics.median(ratios)]
+        for peer in peers:
+            out, _ = peer.communicate(timeout=60)
+            medians.append(statistics.median(json.loads(out)))
+    finally:
+        for peer in peers:
+            if peer.poll() is None:
+                peer.kill()
+                peer.wait()
     load = os.getloadavg()[0] / cores if hasattr(os, "getloadavg") else 0.0
-    return Busy(spread(samples), statistics.median(ratios), load)
+    return Busy(spread(samples), max(medians), load)
