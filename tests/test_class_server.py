@@ -246,6 +246,40 @@ def test_a_killed_run_frees_its_lease_within_a_second(hub):
     kernel.socket.close()
 
 
+def test_a_students_links_never_make_the_hub_write_as_root(hub):
+    """The hub copies notebooks into a student's home at each spawn; a link the student put there (their course
+    folder, or a notebook, pointing at a root-only place) must not make it write there: it writes as the student."""
+    from labsrc.core import class_hub
+    name = hub.students[1]
+    notebooks = class_hub.home_of(name) / "labsrc-course" / "notebooks"
+    kept = notebooks.with_name("notebooks.kept")
+    closed = hub.base / "root-only"
+    closed.mkdir(mode=0o755)  # root's: the student may enter it, not write in it
+    notebooks.rename(kept)
+    try:
+        notebooks.symlink_to(closed)
+        os.lchown(notebooks, pwd.getpwnam(name).pw_uid, -1)
+        with pytest.raises(RuntimeError, match="Permission denied"):
+            class_hub.copy_notebooks(name, "labsrc-course")
+        assert list(closed.iterdir()) == [], "the hub wrote as root where the student's link pointed"
+        notebooks.unlink()
+        kept.rename(notebooks)
+        setup = notebooks / "00_setup.ipynb"
+        setup.unlink()
+        setup.symlink_to(closed / "made-by-root")  # a link to a file not there yet
+        class_hub.copy_notebooks(name, "labsrc-course")
+        assert not (closed / "made-by-root").exists() and setup.is_symlink()
+    finally:
+        if notebooks.is_symlink():
+            notebooks.unlink()
+        if kept.exists():
+            kept.rename(notebooks)
+        if (notebooks / "00_setup.ipynb").is_symlink():
+            (notebooks / "00_setup.ipynb").unlink()
+        class_hub.copy_notebooks(name, "labsrc-course")
+    assert (notebooks / "00_setup.ipynb").stat().st_uid == pwd.getpwnam(name).pw_uid
+
+
 def test_a_student_runs_notebook_00s_first_launch_in_a_real_browser(hub, tmp_path):
     """Headless Chromium (as tests/test_browser.py drives it): the hub's login form, the student's own copy of
     notebook 00 in their JupyterLab, its first launch cell run, its bars live and then done."""
