@@ -41,6 +41,13 @@ def test_unknown_settings_and_bad_values_say_what_to_change(tmp_path):
         class_settings.load(write(tmp_path, 'spawner = "docker"\n'))
     with pytest.raises(class_settings.SettingsError, match="not an address"):
         class_settings.load(write(tmp_path, 'ip = "localhost:80"\n'))
+    for bad, said in (('port = "8000"\n', "port = '8000' should be a whole number"),
+                      ("gpus = -2\n", "gpus = -2 should be a whole number >= 0"),
+                      ("fake_gpus = 1\n", "fake_gpus = 1 should be true or false"),
+                      ('instructors = "ada"\n', "instructors = 'ada' should be a list of strings"),
+                      ("state_dir = 3\n", "state_dir = 3 should be a path")):
+        with pytest.raises(class_settings.SettingsError, match=said):
+            class_settings.load(write(tmp_path, bad))
     assert "enforced by systemd" in memory_statement(class_settings.load(write(tmp_path, 'spawner = "systemd"\n')))
 
 
