@@ -57,10 +57,13 @@ def copy_notebooks(name: str, course_folder: str, exchange: Path | None = None) 
     return [Path(path) for path in json.loads(done.stdout)]
 
 
-_AS_STUDENT = ("import json, sys\nfrom labsrc.core.class_hub import _copy_notebooks\n"
-               "home, folder, exchange = json.loads(sys.argv[1])\n"
-               "print(json.dumps([str(p) for p in _copy_notebooks(home, folder, exchange and __import__('pathlib')"
-               ".Path(exchange))]))")
+_AS_STUDENT = """\
+import json, sys
+from pathlib import Path
+from labsrc.core.class_hub import _copy_notebooks
+home, folder, exchange = json.loads(sys.argv[1])
+print(json.dumps([str(path) for path in _copy_notebooks(home, folder, exchange and Path(exchange))]))
+"""
 
 
 def _copy_notebooks(home: str, course_folder: str, exchange: Path | None) -> list[Path]:
