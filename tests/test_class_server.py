@@ -14,6 +14,7 @@ import pwd
 import re
 import secrets
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -52,9 +53,9 @@ LAUNCH = ("import os\nfrom labsrc.core import launch\n{pool}"
 
 
 class Hub:
-    def __init__(self, settings, students, passwords, base, startup_s):
+    def __init__(self, settings, students, passwords, base, startup_s, told=()):
         self.settings, self.students, self.passwords, self.base = settings, students, passwords, base
-        self.url, self.startup_s, self.tokens = settings.url, startup_s, {}
+        self.url, self.startup_s, self.tokens, self.told = settings.url, startup_s, {}, list(told)
 
     def login(self, name: str) -> "requests.Session":
         """The login form, as a browser posts it (its _xsrf field), then the hub's cookies in a session."""
@@ -98,9 +99,10 @@ def hub():
     pool_setup.init(base / "gpu-pool", gpus=2, gpus_per_run=1, fake_gpus=True)
     settings = class_settings.load(base / "classroom.toml")
     try:
-        startup_s = class_server.start(settings, echo=lambda line: print(line))
+        told = []
+        startup_s = class_server.start(settings, echo=lambda line: (print(line), told.append(line)))
         passwords = dict(line.split() for line in (base / "state" / "passwords.txt").read_text().splitlines())
-        yield Hub(settings, students, passwords, base, startup_s)
+        yield Hub(settings, students, passwords, base, startup_s, told)
     finally:
         class_server.stop(settings)
         class_accounts.remove_students(class_accounts.read_roster(settings.roster), settings.group, base / "state")
@@ -244,6 +246,20 @@ def test_a_killed_run_frees_its_lease_within_a_second(hub):
     print(f"a killed run's lease was free {freed_s:.2f} s after the kill")
     assert freed_s < 1.0
     kernel.socket.close()
+
+
+def test_the_start_tells_whether_students_can_read_the_solutions(hub):
+    """Told, checked as a student: readable as the checkout ships; withheld once the group's ACL entry denies it."""
+    from labsrc.core import class_server
+    solutions = class_server.ROOT / "solutions"
+    assert any(line.startswith(f"solutions/: students can read {solutions}") for line in hub.told), hub.told
+    subprocess.run(["setfacl", "-m", f"g:{hub.settings.group}:---", str(solutions)], check=True)
+    try:
+        told = class_server.solutions_statement(hub.settings, hub.students[0])
+    finally:
+        subprocess.run(["setfacl", "-x", f"g:{hub.settings.group}", str(solutions)], check=True)
+    assert told.startswith("solutions/: withheld"), told
+    assert class_server.solutions_statement(hub.settings, hub.students[0]).startswith("solutions/: students can read")
 
 
 def test_a_students_links_never_make_the_hub_write_as_root(hub):

@@ -70,6 +70,20 @@ def memory_statement(settings: ClassSettings) -> str:
             f"each server. Set spawner = 'systemd' (pip install jupyterhub-systemdspawner) to enforce it.")
 
 
+def solutions_statement(settings: ClassSettings, student: str) -> str:
+    """Whether the students can read the checkout's solutions/ (checked as one of them), and how to change it."""
+    solutions = ROOT / "solutions"
+    if not solutions.is_dir():
+        return f"solutions/: not in this checkout ({solutions}): students cannot read them (nor can the grader)."
+    readable = subprocess.run(["runuser", "-u", student, "--", "test", "-r", str(solutions), "-a", "-x",
+                               str(solutions)]).returncode == 0
+    if not readable:
+        return f"solutions/: withheld: {student} cannot read {solutions} (undo: setfacl -x g:{settings.group} " \
+               f"{solutions})."
+    return (f"solutions/: students can read {solutions} (an untouched exercise stub loads the reference). To "
+            f"withhold them in class: setfacl -m g:{settings.group}:--- {solutions} (INSTRUCTORS.md, section 5).")
+
+
 def prepare(settings: ClassSettings, echo=print) -> None:
     """Accounts, the pool and the students' access to the course, each step told through echo as it is done."""
     _check_prerequisites()
@@ -103,6 +117,7 @@ def prepare(settings: ClassSettings, echo=print) -> None:
     if blocked:
         class_accounts.grant_access(blocked, settings.group, state)
         echo(f"group {settings.group} may now pass through {', '.join(map(str, blocked))} (ACL).")
+    echo(solutions_statement(settings, students[0].name))
 
 
 def hub_command(settings: ClassSettings) -> tuple[list[str], dict]:
