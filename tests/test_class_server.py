@@ -337,6 +337,14 @@ def test_a_student_runs_notebook_00s_first_launch_in_a_real_browser(hub, tmp_pat
             assert f"records in /home/{name}/labsrc-course/runs/" in printed.inner_text(), printed.inner_text()
             assert cell.locator(".jp-OutputArea-output", has_text="[rank1] contributed 1").count() == 1
             cell.screenshot(path=shots / "hub_3_launch_done.png")
+            page.get_by_text("Nbgrader", exact=True).first.click()  # the student's side of nbgrader only
+            menu = page.locator("#jp-mainmenu-nbgrader")
+            menu.wait_for(state="visible")
+            page.screenshot(path=shots / "hub_5_nbgrader_menu.png")
+            shown = menu.locator(".lm-Menu-item:visible .lm-Menu-itemLabel")  # the disabled tools' items: hidden
+            items = [text.strip() for text in shown.all_inner_texts()]
+            assert items == ["Assignment List"], f"the students' Nbgrader menu: {items}"
+            page.keyboard.press("Escape")
             print(f"the launch cell's state, first seen: {live!r}, then 'done'")
         finally:
             page.screenshot(path=shots / "hub_4_page.png")
