@@ -62,3 +62,16 @@ def test_a_roster_names_each_student_once_with_a_valid_username(tmp_path):
     roster.write_text("ada\nada\n")
     with pytest.raises(class_accounts.AccountError, match="listed twice"):
         class_accounts.read_roster(roster)
+
+
+def test_the_systemd_spawner_missing_is_named_before_anything_starts(tmp_path):
+    """spawner = 'systemd' without jupyterhub-systemdspawner: the start says what to install, not the hub's log."""
+    import importlib.util
+    import os
+    from labsrc.core import class_server
+    if os.geteuid() != 0 or importlib.util.find_spec("jupyterhub") is None or importlib.util.find_spec(
+            "jupyterhub_idle_culler") is None or importlib.util.find_spec("systemdspawner") is not None:
+        pytest.skip("needs root, jupyterhub and its culler, and no systemdspawner installed")
+    settings = class_settings.load(write(tmp_path, 'spawner = "systemd"\n'))
+    with pytest.raises(class_server.ClassServerError, match="jupyterhub-systemdspawner"):
+        class_server._check_prerequisites(settings)

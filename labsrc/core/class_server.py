@@ -35,7 +35,7 @@ class ClassServerError(RuntimeError):
     """Something the class server cannot do as asked; the message says what to do."""
 
 
-def _check_prerequisites() -> None:
+def _check_prerequisites(settings: ClassSettings) -> None:
     if os.geteuid() != 0:
         raise ClassServerError("the class server runs as root: it creates the students' accounts and starts each "
                                "student's server as that student (sudo make class-server).")
@@ -45,6 +45,13 @@ def _check_prerequisites() -> None:
     except ImportError as exc:
         raise ClassServerError(f"{exc.name} is missing: `make class-server` installs requirements-classroom.txt "
                                f"into the course's venv.") from None
+    if settings.spawner == "systemd":
+        try:
+            import systemdspawner  # noqa: F401
+        except ImportError:
+            raise ClassServerError("spawner = 'systemd' needs jupyterhub-systemdspawner: `.venv/bin/python -m pip "
+                                   "install jupyterhub-systemdspawner` (on a machine that runs systemd), or set "
+                                   "spawner = 'local' (mem_limit then not enforced).") from None
     if not os.access(PROXY_COMMAND, os.X_OK):
         raise ClassServerError(f"no configurable-http-proxy at {PROXY_COMMAND}: `make class-server` installs it "
                                f"with npm (Node 18 or newer).")
@@ -86,7 +93,7 @@ def solutions_statement(settings: ClassSettings, student: str) -> str:
 
 def prepare(settings: ClassSettings, echo=print) -> None:
     """Accounts, the pool and the students' access to the course, each step told through echo as it is done."""
-    _check_prerequisites()
+    _check_prerequisites(settings)
     state = settings.state_dir
     state.mkdir(parents=True, exist_ok=True)
     os.chmod(state, 0o700)
