@@ -91,8 +91,10 @@ def solutions_statement(settings: ClassSettings, student: str) -> str:
             f"withhold them in class: setfacl -m g:{settings.group}:--- {solutions} (INSTRUCTORS.md, section 5).")
 
 
-def prepare(settings: ClassSettings, echo=print) -> None:
-    """Accounts, the pool and the students' access to the course, each step told through echo as it is done."""
+def prepare(settings: ClassSettings, echo=print, show_passwords: bool = True) -> None:
+    """Accounts, the pool and the students' access to the course, each step told through echo as it is done
+    (new students' first passwords too, unless show_passwords is False: under systemd the output is the journal,
+    which outlives the first login and which more than root may read)."""
     _check_prerequisites(settings)
     state = settings.state_dir
     state.mkdir(parents=True, exist_ok=True)
@@ -102,7 +104,8 @@ def prepare(settings: ClassSettings, echo=print) -> None:
     students = class_accounts.read_roster(settings.roster)
     created = class_accounts.ensure_students(students, settings.group, state / "passwords.txt")
     for name, password in created.items():
-        echo(f"new student {name}: first password {password} (also in {state / 'passwords.txt'})")
+        echo(f"new student {name}: first password {password} (also in {state / 'passwords.txt'})" if show_passwords
+             else f"new student {name}: first password in {state / 'passwords.txt'}")
     echo(f"{len(students)} student(s) in group {settings.group} ({len(created)} new).")
     if settings.pooled:
         try:
@@ -220,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         if options.command == "start":
             start(settings)
         elif options.command == "run":
-            prepare(settings, lambda line: print(line, flush=True))
+            prepare(settings, lambda line: print(line, flush=True), show_passwords=False)
             command, env = hub_command(settings)
             os.chdir(settings.state_dir)
             os.execvpe(command[0], command, env)
