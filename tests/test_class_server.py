@@ -14,6 +14,7 @@ import pwd
 import re
 import secrets
 import shutil
+import subprocess
 import tempfile
 import threading
 import time
@@ -52,9 +53,9 @@ LAUNCH = ("import os\nfrom labsrc.core import launch\n{pool}"
 
 
 class Hub:
-    def __init__(self, settings, students, passwords, base, startup_s):
+    def __init__(self, settings, students, passwords, base, startup_s, told=()):
         self.settings, self.students, self.passwords, self.base = settings, students, passwords, base
-        self.url, self.startup_s, self.tokens = settings.url, startup_s, {}
+        self.url, self.startup_s, self.tokens, self.told = settings.url, startup_s, {}, list(told)
 
     def login(self, name: str) -> "requests.Session":
         """The login form, as a browser posts it (its _xsrf field), then the hub's cookies in a session."""
@@ -98,9 +99,10 @@ def hub():
     pool_setup.init(base / "gpu-pool", gpus=2, gpus_per_run=1, fake_gpus=True)
     settings = class_settings.load(base / "classroom.toml")
     try:
-        startup_s = class_server.start(settings, echo=lambda line: print(line))
+        told = []
+        startup_s = class_server.start(settings, echo=lambda line: (print(line), told.append(line)))
         passwords = dict(line.split() for line in (base / "state" / "passwords.txt").read_text().splitlines())
-        yield Hub(settings, students, passwords, base, startup_s)
+        yield Hub(settings, students, passwords, base, startup_s, told)
     finally:
         class_server.stop(settings)
         class_accounts.remove_students(class_accounts.read_roster(settings.roster), settings.group, base / "state")
@@ -246,6 +248,54 @@ def test_a_killed_run_frees_its_lease_within_a_second(hub):
     kernel.socket.close()
 
 
+def test_the_start_tells_whether_students_can_read_the_solutions(hub):
+    """Told, checked as a student: readable as the checkout ships; withheld once the group's ACL entry denies it."""
+    from labsrc.core import class_server
+    solutions = class_server.ROOT / "solutions"
+    assert any(line.startswith(f"solutions/: students can read {solutions}") for line in hub.told), hub.told
+    subprocess.run(["setfacl", "-m", f"g:{hub.settings.group}:---", str(solutions)], check=True)
+    try:
+        told = class_server.solutions_statement(hub.settings, hub.students[0])
+    finally:
+        subprocess.run(["setfacl", "-x", f"g:{hub.settings.group}", str(solutions)], check=True)
+    assert told.startswith("solutions/: withheld"), told
+    assert class_server.solutions_statement(hub.settings, hub.students[0]).startswith("solutions/: students can read")
+
+
+def test_a_students_links_never_make_the_hub_write_as_root(hub):
+    """The hub copies notebooks into a student's home at each spawn; a link the student put there (their course
+    folder, or a notebook, pointing at a root-only place) must not make it write there: it writes as the student."""
+    from labsrc.core import class_hub
+    name = hub.students[1]
+    notebooks = class_hub.home_of(name) / "labsrc-course" / "notebooks"
+    kept = notebooks.with_name("notebooks.kept")
+    closed = hub.base / "root-only"
+    closed.mkdir(mode=0o755)  # root's: the student may enter it, not write in it
+    notebooks.rename(kept)
+    try:
+        notebooks.symlink_to(closed)
+        os.lchown(notebooks, pwd.getpwnam(name).pw_uid, -1)
+        with pytest.raises(RuntimeError, match="Permission denied"):
+            class_hub.copy_notebooks(name, "labsrc-course")
+        assert list(closed.iterdir()) == [], "the hub wrote as root where the student's link pointed"
+        notebooks.unlink()
+        kept.rename(notebooks)
+        setup = notebooks / "00_setup.ipynb"
+        setup.unlink()
+        setup.symlink_to(closed / "made-by-root")  # a link to a file not there yet
+        class_hub.copy_notebooks(name, "labsrc-course")
+        assert not (closed / "made-by-root").exists() and setup.is_symlink()
+    finally:
+        if notebooks.is_symlink():
+            notebooks.unlink()
+        if kept.exists():
+            kept.rename(notebooks)
+        if (notebooks / "00_setup.ipynb").is_symlink():
+            (notebooks / "00_setup.ipynb").unlink()
+        class_hub.copy_notebooks(name, "labsrc-course")
+    assert (notebooks / "00_setup.ipynb").stat().st_uid == pwd.getpwnam(name).pw_uid
+
+
 def test_a_student_runs_notebook_00s_first_launch_in_a_real_browser(hub, tmp_path):
     """Headless Chromium (as tests/test_browser.py drives it): the hub's login form, the student's own copy of
     notebook 00 in their JupyterLab, its first launch cell run, its bars live and then done."""
@@ -287,6 +337,14 @@ def test_a_student_runs_notebook_00s_first_launch_in_a_real_browser(hub, tmp_pat
             assert f"records in /home/{name}/labsrc-course/runs/" in printed.inner_text(), printed.inner_text()
             assert cell.locator(".jp-OutputArea-output", has_text="[rank1] contributed 1").count() == 1
             cell.screenshot(path=shots / "hub_3_launch_done.png")
+            page.get_by_text("Nbgrader", exact=True).first.click()  # the student's side of nbgrader only
+            menu = page.locator("#jp-mainmenu-nbgrader")
+            menu.wait_for(state="visible")
+            page.screenshot(path=shots / "hub_5_nbgrader_menu.png")
+            shown = menu.locator(".lm-Menu-item:visible .lm-Menu-itemLabel")  # the disabled tools' items: hidden
+            items = [text.strip() for text in shown.all_inner_texts()]
+            assert items == ["Assignment List"], f"the students' Nbgrader menu: {items}"
+            page.keyboard.press("Escape")
             print(f"the launch cell's state, first seen: {live!r}, then 'done'")
         finally:
             page.screenshot(path=shots / "hub_4_page.png")

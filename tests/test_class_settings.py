@@ -41,6 +41,13 @@ def test_unknown_settings_and_bad_values_say_what_to_change(tmp_path):
         class_settings.load(write(tmp_path, 'spawner = "docker"\n'))
     with pytest.raises(class_settings.SettingsError, match="not an address"):
         class_settings.load(write(tmp_path, 'ip = "localhost:80"\n'))
+    for bad, said in (('port = "8000"\n', "port = '8000' should be a whole number"),
+                      ("gpus = -2\n", "gpus = -2 should be a whole number >= 0"),
+                      ("fake_gpus = 1\n", "fake_gpus = 1 should be true or false"),
+                      ('instructors = "ada"\n', "instructors = 'ada' should be a list of strings"),
+                      ("state_dir = 3\n", "state_dir = 3 should be a path")):
+        with pytest.raises(class_settings.SettingsError, match=said):
+            class_settings.load(write(tmp_path, bad))
     assert "enforced by systemd" in memory_statement(class_settings.load(write(tmp_path, 'spawner = "systemd"\n')))
 
 
@@ -55,3 +62,16 @@ def test_a_roster_names_each_student_once_with_a_valid_username(tmp_path):
     roster.write_text("ada\nada\n")
     with pytest.raises(class_accounts.AccountError, match="listed twice"):
         class_accounts.read_roster(roster)
+
+
+def test_the_systemd_spawner_missing_is_named_before_anything_starts(tmp_path):
+    """spawner = 'systemd' without jupyterhub-systemdspawner: the start says what to install, not the hub's log."""
+    import importlib.util
+    import os
+    from labsrc.core import class_server
+    if os.geteuid() != 0 or importlib.util.find_spec("jupyterhub") is None or importlib.util.find_spec(
+            "jupyterhub_idle_culler") is None or importlib.util.find_spec("systemdspawner") is not None:
+        pytest.skip("needs root, jupyterhub and its culler, and no systemdspawner installed")
+    settings = class_settings.load(write(tmp_path, 'spawner = "systemd"\n'))
+    with pytest.raises(class_server.ClassServerError, match="jupyterhub-systemdspawner"):
+        class_server._check_prerequisites(settings)

@@ -273,3 +273,17 @@ def test_a_sheet_grades_the_reference_right_and_the_stub_wrong(capsys, monkeypat
     with pytest.raises(SystemExit, match="cannot grade"):
         grading.main(["verify", "13"])
     assert "13_capstone: NOT READY: with the stub, test learning_rate passed" in capsys.readouterr().out
+
+
+def test_setup_keeps_the_course_folder_from_students(tmp_path):
+    """The course folder holds the solutions (source/) and every student's work: setup closes it to others even
+    when it already exists open (the default, grading/ in a checkout every student reads)."""
+    course = tmp_path / "course"
+    course.mkdir(mode=0o755)
+    course.chmod(0o755)
+    roster = tmp_path / "roster.txt"
+    roster.write_text("ada,Ada Lovelace\n")
+    grading.main(["--course-dir", str(course), "setup", "--course-id", "c", "--exchange", str(tmp_path / "exchange"),
+                  "--roster", str(roster)])
+    assert course.stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "exchange").stat().st_mode & 0o7777 == 0o1777

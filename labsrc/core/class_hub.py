@@ -6,10 +6,12 @@ launch leases its GPUs or cores from the server's pool. An idle culler runs as a
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pwd
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -37,9 +39,36 @@ def home_of(name: str) -> Path:
 def copy_notebooks(name: str, course_folder: str, exchange: Path | None = None) -> list[Path]:
     """The course's notebooks into ~name/<course_folder>/notebooks, owned by the student: only those missing
     (a student's own work is never overwritten; a notebook added to the course arrives at the next start),
-    beside links to the checkout's docs/ and cluster/ (the notebooks link to them)."""
+    beside links to the checkout's docs/ and cluster/ (the notebooks link to them); what it made.
+
+    Called as root (the hub's pre-spawn hook), it writes as the student, in a child process that has dropped to
+    their uid and gid: the home is theirs, and a link they left there (e.g. their notebook replaced by a link to
+    a system file) must reach only what the student may write, never what root may."""
     entry = pwd.getpwnam(name)
-    course = Path(entry.pw_dir) / course_folder
+    if os.geteuid() != 0 or entry.pw_uid == 0:
+        return _copy_notebooks(entry.pw_dir, course_folder, exchange)
+    arguments = json.dumps([entry.pw_dir, course_folder, None if exchange is None else str(exchange)])
+    done = subprocess.run([sys.executable, "-c", _AS_STUDENT, arguments], user=entry.pw_uid, group=entry.pw_gid,
+                          extra_groups=[], cwd=entry.pw_dir, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": str(ROOT), "HOME": entry.pw_dir, "PATH": os.defpath})
+    if done.returncode:
+        raise RuntimeError(f"copying the course's notebooks into {entry.pw_dir} as {name} failed: "
+                           f"{done.stderr.strip()[-2000:]}")
+    return [Path(path) for path in json.loads(done.stdout)]
+
+
+_AS_STUDENT = """\
+import json, sys
+from pathlib import Path
+from labsrc.core.class_hub import _copy_notebooks
+home, folder, exchange = json.loads(sys.argv[1])
+print(json.dumps([str(path) for path in _copy_notebooks(home, folder, exchange and Path(exchange))]))
+"""
+
+
+def _copy_notebooks(home: str, course_folder: str, exchange: Path | None) -> list[Path]:
+    """copy_notebooks' work, done by the home's owner (never by root in a student's home)."""
+    course = Path(home) / course_folder
     made = []
     for directory in (course, course / "notebooks"):
         if not directory.exists():
@@ -47,26 +76,24 @@ def copy_notebooks(name: str, course_folder: str, exchange: Path | None = None) 
             made.append(directory)
     for notebook in sorted(NOTEBOOKS.glob("*.ipynb")):
         target = course / "notebooks" / notebook.name
-        if not target.exists():
+        if not target.exists() and not target.is_symlink():
             shutil.copyfile(notebook, target)
             made.append(target)
     for name_linked in LINKED:
         link = course / name_linked
         if not link.is_symlink() and not link.exists():
             link.symlink_to(ROOT / name_linked)
-            os.lchown(link, entry.pw_uid, entry.pw_gid)
-    jupyter = Path(entry.pw_dir) / ".jupyter"
+            made.append(link)
+    jupyter = Path(home) / ".jupyter"
     for path, settings in ((jupyter / "jupyter_server_config.d" / "labsrc-student.json", STUDENT_SERVER_CONFIG),
                            (jupyter / "labconfig" / "page_config.json", STUDENT_LAB_CONFIG)):
         made += _merge_json(path, settings)
     if exchange is not None:
         config = jupyter / "nbgrader_config.py"
-        if not config.exists():
+        if not config.exists() and not config.is_symlink():
             config.write_text(f"c = get_config()  # noqa\nc.Exchange.root = {str(exchange)!r}\n"
                               "c.Exchange.path_includes_course = True  # as the grader's course (labsrc.grading)\n")
             made.append(config)
-    for path in made:
-        os.chown(path, entry.pw_uid, entry.pw_gid)
     return made
 
 
@@ -143,8 +170,8 @@ def configure(c, settings: ClassSettings) -> None:
     c.Spawner.environment = environment(settings)
     c.Spawner.mem_limit = settings.mem_limit or None
     c.Spawner.start_timeout = c.Spawner.http_timeout = 120  # a busy server starts a JupyterLab slowly
-    c.Spawner.pre_spawn_hook = lambda spawner: copy_notebooks(spawner.user.name, settings.course_folder,
-                                                              settings.nbgrader_exchange)
+    c.Spawner.pre_spawn_hook = lambda spawner: asyncio.to_thread(  # a thread: the hub serves others meanwhile
+        copy_notebooks, spawner.user.name, settings.course_folder, settings.nbgrader_exchange)
 
     c.JupyterHub.services = [{"name": "idle-culler", "command": [
         sys.executable, "-m", "jupyterhub_idle_culler", f"--timeout={settings.idle_timeout_s}"]}]

@@ -35,7 +35,7 @@ class ClassServerError(RuntimeError):
     """Something the class server cannot do as asked; the message says what to do."""
 
 
-def _check_prerequisites() -> None:
+def _check_prerequisites(settings: ClassSettings) -> None:
     if os.geteuid() != 0:
         raise ClassServerError("the class server runs as root: it creates the students' accounts and starts each "
                                "student's server as that student (sudo make class-server).")
@@ -45,6 +45,13 @@ def _check_prerequisites() -> None:
     except ImportError as exc:
         raise ClassServerError(f"{exc.name} is missing: `make class-server` installs requirements-classroom.txt "
                                f"into the course's venv.") from None
+    if settings.spawner == "systemd":
+        try:
+            import systemdspawner  # noqa: F401
+        except ImportError:
+            raise ClassServerError("spawner = 'systemd' needs jupyterhub-systemdspawner: `.venv/bin/python -m pip "
+                                   "install jupyterhub-systemdspawner` (on a machine that runs systemd), or set "
+                                   "spawner = 'local' (mem_limit then not enforced).") from None
     if not os.access(PROXY_COMMAND, os.X_OK):
         raise ClassServerError(f"no configurable-http-proxy at {PROXY_COMMAND}: `make class-server` installs it "
                                f"with npm (Node 18 or newer).")
@@ -70,9 +77,25 @@ def memory_statement(settings: ClassSettings) -> str:
             f"each server. Set spawner = 'systemd' (pip install jupyterhub-systemdspawner) to enforce it.")
 
 
-def prepare(settings: ClassSettings, echo=print) -> None:
-    """Accounts, the pool and the students' access to the course, each step told through echo as it is done."""
-    _check_prerequisites()
+def solutions_statement(settings: ClassSettings, student: str) -> str:
+    """Whether the students can read the checkout's solutions/ (checked as one of them), and how to change it."""
+    solutions = ROOT / "solutions"
+    if not solutions.is_dir():
+        return f"solutions/: not in this checkout ({solutions}): students cannot read them (nor can the grader)."
+    readable = subprocess.run(["runuser", "-u", student, "--", "test", "-r", str(solutions), "-a", "-x",
+                               str(solutions)]).returncode == 0
+    if not readable:
+        return f"solutions/: withheld: {student} cannot read {solutions} (undo: setfacl -x g:{settings.group} " \
+               f"{solutions})."
+    return (f"solutions/: students can read {solutions} (an untouched exercise stub loads the reference). To "
+            f"withhold them in class: setfacl -m g:{settings.group}:--- {solutions} (INSTRUCTORS.md, section 5).")
+
+
+def prepare(settings: ClassSettings, echo=print, show_passwords: bool = True) -> None:
+    """Accounts, the pool and the students' access to the course, each step told through echo as it is done
+    (new students' first passwords too, unless show_passwords is False: under systemd the output is the journal,
+    which outlives the first login and which more than root may read)."""
+    _check_prerequisites(settings)
     state = settings.state_dir
     state.mkdir(parents=True, exist_ok=True)
     os.chmod(state, 0o700)
@@ -81,7 +104,8 @@ def prepare(settings: ClassSettings, echo=print) -> None:
     students = class_accounts.read_roster(settings.roster)
     created = class_accounts.ensure_students(students, settings.group, state / "passwords.txt")
     for name, password in created.items():
-        echo(f"new student {name}: first password {password} (also in {state / 'passwords.txt'})")
+        echo(f"new student {name}: first password {password} (also in {state / 'passwords.txt'})" if show_passwords
+             else f"new student {name}: first password in {state / 'passwords.txt'}")
     echo(f"{len(students)} student(s) in group {settings.group} ({len(created)} new).")
     if settings.pooled:
         try:
@@ -103,6 +127,7 @@ def prepare(settings: ClassSettings, echo=print) -> None:
     if blocked:
         class_accounts.grant_access(blocked, settings.group, state)
         echo(f"group {settings.group} may now pass through {', '.join(map(str, blocked))} (ACL).")
+    echo(solutions_statement(settings, students[0].name))
 
 
 def hub_command(settings: ClassSettings) -> tuple[list[str], dict]:
@@ -198,7 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         if options.command == "start":
             start(settings)
         elif options.command == "run":
-            prepare(settings, lambda line: print(line, flush=True))
+            prepare(settings, lambda line: print(line, flush=True), show_passwords=False)
             command, env = hub_command(settings)
             os.chdir(settings.state_dir)
             os.execvpe(command[0], command, env)

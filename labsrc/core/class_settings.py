@@ -100,6 +100,7 @@ def load(path=None) -> ClassSettings:
         raise SettingsError(f"{path}: unknown setting(s) {unknown}; the known ones are {sorted(known)}.")
     values = {}
     for name, value in data.items():
+        _check_type(path, name, value, known[name].default)
         if name in _PATHS:
             value = Path(value) if value else None
             value = value if value is None or value.is_absolute() else ROOT / value
@@ -109,6 +110,23 @@ def load(path=None) -> ClassSettings:
     settings = ClassSettings(**values, source=path)
     check(settings)
     return settings
+
+
+def _check_type(path: Path, name: str, value, default) -> None:
+    """A value of the setting's kind (TOML's: a number unquoted, true/false, a list in brackets), or a clear error."""
+    if name in _PATHS:
+        wanted, ok = "a path in quotes", isinstance(value, str)
+    elif isinstance(default, bool):
+        wanted, ok = "true or false", isinstance(value, bool)
+    elif isinstance(default, int):
+        wanted, ok = "a whole number >= 0 (unquoted)", type(value) is int and value >= 0
+    elif isinstance(default, tuple):
+        wanted, ok = 'a list of strings, e.g. ["a", "b"]', isinstance(value, list) and all(
+            isinstance(item, str) for item in value)
+    else:
+        wanted, ok = "a string in quotes", isinstance(value, str)
+    if not ok:
+        raise SettingsError(f"{path}: {name} = {value!r} should be {wanted}.")
 
 
 def check(settings: ClassSettings) -> None:

@@ -62,8 +62,8 @@ def setup(course: Course, arguments) -> None:
         raise SystemExit(f"no roster at {roster}: one login a line, `login[,Full Name[,email]]`")
     else:
         print(f"no roster at {roster}: students join the gradebook when their first submission is autograded")
-    print(f"course {arguments.course_id!r} in {course.root}; exchange {exchange}; students' config "
-          f"{student_config}")
+    print(f"course {arguments.course_id!r} in {course.root} (mode 0700: yours alone); exchange {exchange}; "
+          f"students' config {student_config}")
 
 
 def generate(course: Course, names: list[str]) -> None:

@@ -98,6 +98,9 @@ class Course:
 
     def write_config(self, course_id: str, exchange: Path, cell_timeout_s: int = CELL_TIMEOUT_S) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
+        # the instructor's alone: source/ holds the solutions, submitted/ and autograded/ every student's work, and
+        # the default folder (grading/ in the checkout) sits where a class server's students can read
+        self.root.chmod(0o700)
         self.config_path.write_text(CONFIG.format(course_id=course_id, root=str(self.root.resolve()),
                                                   exchange=str(exchange.resolve()), cell_timeout_s=cell_timeout_s))
 
