@@ -164,7 +164,7 @@ test-deepspeed: deepspeed
 
 # Exercises collected and graded with nbgrader (INSTRUCTORS.md section 5, "Grading"): the classroom extra added
 # to the course's venv, then the flow end to end for two students (real system users as root).
-test-grading: $(VENV)/.stamp-classroom
+test-grading: classroom
 	LABSRC_PROFILE=ci LABSRC_HEADLESS=1 MPLBACKEND=Agg $(PYTHON) -m pytest tests/test_grading.py
 
 # The course on another torch of the range it supports (2.11 through 2.14): its own venv .venv-torch<version>
