@@ -8,7 +8,6 @@ The PNGs are committed, so `python slides/build.py` builds every deck offline wi
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import os
 import re
@@ -16,25 +15,16 @@ import sys
 import tempfile
 from pathlib import Path
 
+from labsrc.core.processes import environment_set
+
 HERE = Path(__file__).resolve().parent
 FIGURES = HERE / "figures"
 REFERENCE = re.compile(r"!\[[^\]]*\]\((figures/[^)\s]+)\)")
 
 
-@contextlib.contextmanager
 def ci_environment(runs_folder: Path):
     """The ci profile, no widgets, and runs kept in runs_folder; the previous environment restored after."""
-    changes = {"LABSRC_PROFILE": "ci", "LABSRC_HEADLESS": "1", "LABSRC_RUNS": str(runs_folder)}
-    before = {key: os.environ.get(key) for key in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    return environment_set({"LABSRC_PROFILE": "ci", "LABSRC_HEADLESS": "1", "LABSRC_RUNS": str(runs_folder)})
 
 
 DECKS = "[0-9][0-9]*_*.md"  # NN_<lesson>.md, and NNb_<lesson>.md for a lesson between two numbers

@@ -75,6 +75,21 @@ def end_run(run_id: str, root_pids=None, grace_s: float = GRACE_S) -> int:
 
 
 @contextmanager
+def environment_set(values: dict[str, str]):
+    """os.environ updated with `values` inside the block (the children started there inherit them), restored after."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextmanager
 def sigterm_ignored():
     """SIGTERM ignored inside the block (main thread only), restored after.
 

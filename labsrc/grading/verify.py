@@ -3,13 +3,12 @@ as released (the stubs: every test must fail, and nothing else may), so a sheet 
 """
 from __future__ import annotations
 
-import contextlib
 import copy
-import os
 import tempfile
 import time
 from dataclasses import dataclass
 
+from labsrc.core.processes import environment_set
 from labsrc.grading.course import CELL_TIMEOUT_S, grading_env
 from labsrc.grading.exercises import Lesson
 from labsrc.grading.sheets import build_sheet
@@ -26,20 +25,6 @@ class Verdict:
     @property
     def ok(self) -> bool:
         return not (self.reference_failed or self.stub_passed or self.stub_broken)
-
-
-@contextlib.contextmanager
-def _environment(values: dict[str, str]):
-    before = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for key, value in before.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def _errors(notebook) -> dict[str, str]:
@@ -62,7 +47,7 @@ def verify(lesson: Lesson, cell_timeout_s: int = CELL_TIMEOUT_S) -> Verdict:
     released, _ = ClearSolutions().preprocess(copy.deepcopy(source), {})
     tests = {cell.metadata["nbgrader"]["grade_id"] for cell in source.cells
              if cell.metadata.get("nbgrader", {}).get("grade")}
-    with _environment(grading_env()), tempfile.TemporaryDirectory(prefix="labsrc-verify-") as folder:
+    with environment_set(grading_env()), tempfile.TemporaryDirectory(prefix="labsrc-verify-") as folder:
         reference_errors = _errors(_run(source, folder, cell_timeout_s))
         stub_errors = _errors(_run(released, folder, cell_timeout_s))
     return Verdict(lesson.name, reference_errors, sorted(tests - set(stub_errors)),
