@@ -35,3 +35,16 @@ def test_probe_sees_busy_neighbours_as_a_lost_share_of_the_core():
 def test_probe_asks_for_no_more_processes_than_usable_cores():
     with pytest.raises(ValueError, match="usable cores"):
         busy.probe(processes=busy.usable_cores() + 1)
+
+
+def test_judged_is_the_branch_and_notes_only_the_claims_it_left_unasserted(tmp_path, monkeypatch):
+    log = tmp_path / "unjudged.jsonl"
+    monkeypatch.setenv(busy.UNJUDGED_LOG_ENV, str(log))
+    assert busy.judged("the fit", True) is True
+    assert not log.exists()
+    assert busy.judged("the bubble", False) is False
+    assert busy.judged("the prediction", False) is False
+    assert log.read_text().splitlines() == ['{"claim": "the bubble"}', '{"claim": "the prediction"}']
+    monkeypatch.delenv(busy.UNJUDGED_LOG_ENV)
+    assert busy.judged("the rates", False) is False  # nowhere to note it: only the branch
+    assert len(log.read_text().splitlines()) == 2

@@ -55,6 +55,24 @@ def test_table_counts_passes_median_worst_and_the_failure():
     assert "02_collectives" in text and "AssertionError: R² 0.41" in text and " 1.11 " in text
 
 
+def test_a_run_reports_the_timing_claims_its_notebook_left_unasserted(tmp_path):
+    notebook = tmp_path / "judging.ipynb"
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("from labsrc.core import busy\n"
+                                          "if busy.judged('the bubble', False):\n    raise AssertionError\n"
+                                          "assert busy.judged('the fit', True)")]
+    nbformat.write(nb, notebook)
+    env = load_harness.ci_env("tag", tmp_path / "runs")
+    passed, _, failure, _, unjudged = load_harness.run_once(notebook, env, tmp_path / "logs" / "judging.log", 120)
+    assert passed and failure == "" and unjudged == ["the bubble"]
+    run = load_harness.Run
+    rows = load_harness.summarise([run(8, 1, "judging", True, 9.0, "", 16.0, 17.0, "", "the bubble"),
+                                   run(8, 2, "judging", True, 8.0, "", 16.0, 17.0, "", "")])
+    assert rows[0]["all_asserted"] == 1 and rows[0]["unjudged"] == "the bubble"
+    line = load_harness.table(rows).splitlines()[-1]
+    assert line.split()[1:4] == ["2", "2", "1"] and line.endswith("unjudged: the bubble")
+
+
 def test_bad_input_says_what_to_give():
     with pytest.raises(SystemExit, match="factors"):
         load_harness.parse_loads("2,x")

@@ -4,8 +4,11 @@ busy at a given factor, optionally beside a neighbour (a second "student" runnin
     python tools/load_harness.py --notebooks 00 02 --load 2,4,8 --runs 3 --neighbour 01 04
 
 Each run is the ci profile with the flags of `make test-notebooks`; per run it records pass/fail, wall time, the
-first error line of nbmake's report (the assert that failed) and the load average seen. Per load it prints a table
-(notebook, runs, passes, median and worst wall time, worst over the quiet ci budget of 90 s, the failure) and writes
+first error line of nbmake's report (the assert that failed), the load average seen and the timing claims the
+notebook reported without asserting them because its probe found the machine too busy to judge
+(`labsrc.core.busy.judged` notes them in the file LABSRC_UNJUDGED_LOG names). Per load it prints a table (notebook,
+runs, passes, median and worst wall time, worst over the quiet ci budget of 90 s, in how many runs every timing claim
+was asserted, the failure or else the claims left unjudged) and writes
 results.csv and results.json into --out (default runs/load/<timestamp>/), with each run's full report in logs/.
 
 Every busy process, the neighbour and whatever they started carry one tag in their environment; however the harness
@@ -29,6 +32,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from labsrc.core.busy import UNJUDGED_LOG_ENV  # noqa: E402  (this checkout's labsrc, run as a script)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -56,6 +62,8 @@ class Run:
     load_avg_mean: float
     load_avg_max: float
     neighbour: str
+    unjudged: str = ""
+    """The timing claims the notebook reported without asserting them (its machine too busy), "; "-separated."""
 
 
 def usable_cores() -> int:
@@ -189,9 +197,14 @@ class Load:
             proc.wait()
 
 
-def run_once(notebook: Path, env: dict[str, str], log: Path, timeout: float) -> tuple[bool, float, str, list[float]]:
-    """One nbmake run of the notebook: passed, wall time, the failure line, the load averages seen (every 0.5 s)."""
+def run_once(notebook: Path, env: dict[str, str], log: Path, timeout: float
+             ) -> tuple[bool, float, str, list[float], list[str]]:
+    """One nbmake run of the notebook: passed, wall time, the failure line, the load averages seen (every 0.5 s),
+    the timing claims it reported without asserting them."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    unjudged_log = log.with_suffix(".unjudged.jsonl")
+    unjudged_log.unlink(missing_ok=True)
+    env = {**env, UNJUDGED_LOG_ENV: str(unjudged_log)}
     loads, start = [], time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(nbmake_command(notebook), env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
@@ -211,7 +224,9 @@ def run_once(notebook: Path, env: dict[str, str], log: Path, timeout: float) -> 
     failure = "" if passed else (first_failure(log.read_text(errors="replace"))
                                  or (f"harness timeout after {timeout:.0f} s" if wall > timeout
                                      else f"pytest exit {proc.returncode}"))
-    return passed, wall, failure, loads or [os.getloadavg()[0]]
+    unjudged = ([json.loads(line)["claim"] for line in unjudged_log.read_text().splitlines() if line.strip()]
+                if unjudged_log.exists() else [])
+    return passed, wall, failure, loads or [os.getloadavg()[0]], unjudged
 
 
 def summarise(runs: list[Run]) -> list[dict]:
@@ -221,21 +236,29 @@ def summarise(runs: list[Run]) -> list[dict]:
             mine = [r for r in runs if r.load == load and r.notebook == notebook]
             walls = [r.wall_s for r in mine]
             failures = [r.failure for r in mine if not r.passed]
+            unjudged = list(dict.fromkeys(claim for r in mine for claim in r.unjudged.split("; ") if claim))
             rows.append(dict(load=load, notebook=notebook, runs=len(mine), passes=sum(r.passed for r in mine),
+                             all_asserted=sum(not r.unjudged for r in mine),
                              median_s=statistics.median(walls), worst_s=max(walls),
                              worst_over_budget=max(walls) / BUDGET_S,
                              load_avg=statistics.median(r.load_avg_mean for r in mine),
-                             failure=failures[0] if failures else ""))
+                             failure=failures[0] if failures else "",
+                             unjudged="; ".join(unjudged)))
     return rows
 
 
 def table(rows: list[dict], width: int = 70) -> str:
-    header = f"{'notebook':<28} {'runs':>4} {'pass':>4} {'median s':>8} {'worst s':>7} {'/90 s':>5} {'load':>5}  failed"
+    """One line a notebook. "judged": the runs that asserted every timing claim; the last column is the first
+    failure, or else the claims some run only reported ("unjudged: ...")."""
+    header = (f"{'notebook':<28} {'runs':>4} {'pass':>4} {'judged':>6} {'median s':>8} {'worst s':>7} {'/90 s':>5} "
+              f"{'load':>5}  failed / unjudged")
     lines = [header, "-" * len(header)]
     for row in rows:
-        failure = row["failure"] if len(row["failure"]) <= width else row["failure"][:width - 1] + "…"
-        lines.append(f"{row['notebook']:<28} {row['runs']:>4} {row['passes']:>4} {row['median_s']:>8.1f} "
-                     f"{row['worst_s']:>7.1f} {row['worst_over_budget']:>5.2f} {row['load_avg']:>5.1f}  {failure}")
+        note = row["failure"] or (f"unjudged: {row['unjudged']}" if row["unjudged"] else "")
+        note = note if len(note) <= width else note[:width - 1] + "…"
+        lines.append(f"{row['notebook']:<28} {row['runs']:>4} {row['passes']:>4} {row['all_asserted']:>6} "
+                     f"{row['median_s']:>8.1f} {row['worst_s']:>7.1f} {row['worst_over_budget']:>5.2f} "
+                     f"{row['load_avg']:>5.1f}  {note}")
     return "\n".join(lines)
 
 
@@ -311,13 +334,14 @@ def _one_load(load: float, cores: int, args: argparse.Namespace, notebooks: list
         for run in range(1, args.runs + 1):
             for notebook in notebooks:
                 log = out / f"load{load:g}" / "logs" / f"{notebook.stem}-run{run}.log"
-                passed, wall, failure, seen = run_once(notebook, env, log, args.timeout)
+                passed, wall, failure, seen, unjudged = run_once(notebook, env, log, args.timeout)
                 runs.append(Run(load, run, notebook.stem, passed, round(wall, 1), failure,
                                 round(statistics.mean(seen), 1), round(max(seen), 1),
-                                " ".join(p.stem for p in neighbour)))
+                                " ".join(p.stem for p in neighbour), "; ".join(unjudged)))
                 print(f"  load {load:g} ({hogs} busy) run {run} {notebook.stem}: "
                       f"{'pass' if passed else 'FAIL'} {wall:.0f} s, load avg {max(seen):.1f}"
-                      + (f"  {failure}" if failure else ""), flush=True)
+                      + (f"  {failure}" if failure else "")
+                      + (f"  (reported, not asserted: {'; '.join(unjudged)})" if unjudged else ""), flush=True)
                 write_results(out, runs)
     finally:
         current.stop()

@@ -6,6 +6,9 @@ next; an assert on one timing then fails through no fault of the learner. `probe
 work several times and reports how far the repeats spread; `spread()` does the same for timings a lesson already
 took. A lesson compares inside one run, interleaved and with medians; where it still cannot judge, it says so
 (`Busy.verdict`), asserts the mechanism (bytes, counts, equality) and reports the timing without asserting it.
+`judged(what, quiet)` is the lesson's branch between the two: where LABSRC_UNJUDGED_LOG names a file (the load
+harness, tools/load_harness.py, sets it per run) it notes there each timing claim that went unjudged, so a pass
+under load says which of its claims it checked.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ from typing import Sequence
 ROOT = Path(__file__).resolve().parents[2]
 QUIET_SPREAD = 0.5
 """Repeats whose middle 80% spans less than half the median: a quiet enough machine (idle here: 0.03-0.2)."""
+UNJUDGED_LOG_ENV = "LABSRC_UNJUDGED_LOG"
+"""A file where `judged` appends one JSON line per timing claim reported without an assert (unset: nowhere)."""
 QUIET_SLOWDOWN = 1.5
 """The probe got at least two thirds of a core: wall time under 1.5x its CPU time."""
 
@@ -58,6 +63,15 @@ class Busy:
                  f"too busy to judge {what}: reported, not asserted (rerun on a quieter machine to check it)")
         return (f"machine: identical work spread {self.spread:.0%} (wall {self.slowdown:.1f}x its CPU time), "
                 f"load {self.load_per_core:.1f} per core: {state}")
+
+
+def judged(what: str, quiet: bool) -> bool:
+    """`quiet`, as the lesson's branch: assert the timing claim `what` (True) or only report it (False). A claim
+    reported without an assert is noted in the file LABSRC_UNJUDGED_LOG names, if any, for the load harness."""
+    if not quiet and os.environ.get(UNJUDGED_LOG_ENV):
+        with open(os.environ[UNJUDGED_LOG_ENV], "a") as log:
+            log.write(json.dumps({"claim": what}) + "\n")
+    return bool(quiet)
 
 
 def _timings(repeats: int, work: int) -> tuple[list[float], list[float]]:
