@@ -13,7 +13,7 @@ import sys
 import threading
 
 from labsrc.core.launch import (Launch, LaunchError, LaunchTimeout, RankFailed, RunResult,  # noqa: F401
-                                end_run, processes_of_run, run, start)
+                                end_run, processes_of_run, run, start, wait_all)
 from labsrc.core.world import RequestError
 
 

@@ -196,6 +196,37 @@ def test_two_launches_at_once_do_not_clash_and_both_return_their_records(runs):
         assert result.run_dir.parent.parent == runs
 
 
+def test_wait_all_pairs_each_run_with_its_error_and_result(runs):
+    started = {"fails": launch.start("setup", nproc=2, fail_rank=1, hold_s=1, timeout=120, echo=False),
+               "works": launch.start("setup", nproc=2, timeout=120, echo=False)}
+    finished = launch.wait_all(started)
+    assert list(finished) == ["fails", "works"]
+    error, result = finished["fails"]
+    assert isinstance(error, launch.RankFailed) and error.rank == 1 and result is error.result
+    assert finished["works"][0] is None and finished["works"][1].summary["sum"] == 1
+
+
+def test_a_stop_while_waiting_for_several_runs_ends_them_all(runs):
+    started = {name: launch.start("setup", nproc=2, hold_s=60, timeout=150, echo=False) for name in ("a", "b", "c")}
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a kernel
+
+    def stop_once_ranks_run():  # the notebook's Stop button, pressed while the first run is waited for
+        wait_for_progress(runs, "setup", ranks=2)
+        time.sleep(1)
+        os.kill(os.getpid(), signal.SIGINT)
+    interrupt = threading.Thread(target=stop_once_ranks_run)
+    interrupt.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch.wait_all(started)
+    finally:
+        interrupt.join()
+        signal.signal(signal.SIGINT, previous)
+    for name, launched in started.items():
+        assert launch.processes_of_run(launched.run_id, None) == [], f"run {name} left processes behind"
+        assert all(agent.poll() is not None for agent in launched.agents), f"run {name}'s agents still run"
+
+
 def test_busy_port_is_refused_before_anything_starts(runs):
     import socket
     with socket.socket() as holder:

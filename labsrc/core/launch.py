@@ -386,3 +386,27 @@ def run(target: str, nproc: int = 2, args: list | tuple = (), timeout: float = 3
     is) / LaunchTimeout / LaunchError. Settings: see `start`.
     """
     return start(target, nproc, args, timeout, **settings).wait()
+
+
+def wait_all(started: dict[str, Launch]) -> dict[str, tuple[LaunchError | None, RunResult]]:
+    """Wait for several started runs in turn: each name's (None, its result) or (the LaunchError it raised, the
+    error's result). A Stop (Ctrl-C) or any other exception while waiting ends every run not yet waited for before
+    it propagates, so nothing is left running."""
+    finished, entered = {}, []
+    try:
+        for name, launched in started.items():
+            entered.append(name)
+            try:
+                finished[name] = (None, launched.wait())
+            except LaunchError as exc:
+                finished[name] = (exc, exc.result)
+    finally:
+        for name, launched in started.items():
+            if name in finished:
+                continue
+            if name in entered:  # its own wait ended it on a Stop; make sure whatever else happened
+                end_run(launched.run_id, [agent.pid for agent in launched.agents], grace_s=1.0)
+            else:
+                launched._end_everything()
+                launched._finish("stopped")
+    return finished
