@@ -268,8 +268,13 @@ def test_a_roster_line_that_is_not_a_login_is_named(tmp_path):
     from labsrc.grading.course import read_roster
     roster = tmp_path / "roster.txt"
     roster.write_text("# class of 2\nada, Ada Lovelace, ada@example.org\n\nbob smith\n")
-    with pytest.raises(ValueError, match=r"roster.txt:4: 'bob smith' is not `login"):
+    with pytest.raises(ValueError, match=r"roster.txt:4: 'bob smith' is not a valid username"):
         read_roster(roster)
+    for line, why in (("Ada.L, Ada", "'Ada.L' is not a valid username"),  # the server could not create it
+                      ("ada, Lovelace, Ada, ada@example.org", "more than three fields"), ("ada\nada", "listed twice")):
+        roster.write_text(line + "\n")
+        with pytest.raises(ValueError, match=why):
+            read_roster(roster)
     roster.write_text("ada, Ada King Lovelace, ada@example.org\nbob  # no name given\ncy, Cy\n")
     assert [(s.id, s.first_name, s.last_name, s.email) for s in read_roster(roster)] == [
         ("ada", "Ada King", "Lovelace", "ada@example.org"), ("bob", None, None, None), ("cy", "Cy", None, None)]

@@ -28,24 +28,30 @@ class AccountError(RuntimeError):
 class Student:
     name: str
     full_name: str = ""
+    email: str = ""
+    """The grader's (nbgrader's gradebook); the class server does not use it."""
 
 
 def read_roster(path) -> list[Student]:
-    """Students from a roster: `username[,Full Name[,email]]` a line (the email is the grader's); blank lines and
-    `#` comments skipped."""
+    """Students from a roster: `username[,Full Name[,email]]` a line; blank lines and `#` comments skipped. The
+    class server makes the accounts and the grader (labsrc.grading) its gradebook from the same file."""
     students, seen = [], set()
     for number, line in enumerate(Path(path).read_text().splitlines(), 1):
         line = line.split("#", 1)[0].strip()
         if not line:
             continue
-        name, full_name = ([part.strip() for part in line.split(",")] + [""])[:2]
+        fields = [part.strip() for part in line.split(",")]
+        if len(fields) > 3:
+            raise AccountError(f"{path}:{number}: {line!r} is not `username[,Full Name[,email]]` (more than three "
+                               f"fields: a comma in a name?).")
+        name, full_name, email = (fields + ["", ""])[:3]
         if not USERNAME.match(name):
             raise AccountError(f"{path}:{number}: {name!r} is not a valid username (lower case letters, digits, "
                                f"'_' or '-', starting with a letter, at most 32).")
         if name in seen:
             raise AccountError(f"{path}:{number}: {name} is listed twice.")
         seen.add(name)
-        students.append(Student(name, full_name))
+        students.append(Student(name, full_name, email))
     if not students:
         raise AccountError(f"{path} lists no student.")
     return students

@@ -15,6 +15,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from labsrc.core.class_accounts import AccountError, read_roster as read_accounts
+
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_EXCHANGE = Path("/srv/nbgrader/exchange")  # nbgrader's own default
 CELL_TIMEOUT_S = 300  # the grader's limit on one cell: a checker forks its ranks in seconds; a hang fails the cell
@@ -43,25 +45,18 @@ class Student:
 
 
 def read_roster(path: Path) -> list[Student]:
-    """The class server's roster (labsrc.core.class_accounts): `login[,Full Name[,email]]` a line, `#` comments.
-
-    The same file creates the class server's accounts: a login is a system user's name. nbgrader keeps a first and
-    a last name: the full name's last word is the last name.
-    """
+    """The class server's roster (labsrc.core.class_accounts.read_roster, whose rules it keeps: a login is a system
+    user's name): `login[,Full Name[,email]]` a line, `#` comments. nbgrader keeps a first and a last name: the full
+    name's last word is the last name. A line that is not a roster line raises ValueError, naming it."""
+    try:
+        accounts = read_accounts(path)
+    except AccountError as bad:
+        raise ValueError(str(bad)) from None
     students = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
-        line = line.split("#", 1)[0].strip()
-        if not line:
-            continue
-        fields = [field.strip() for field in line.split(",")]
-        login = fields[0]
-        if not login.replace("-", "").replace("_", "").replace(".", "").isalnum() or len(fields) > 3:
-            raise ValueError(f"{path}:{number}: {line!r} is not `login[,Full Name[,email]]` "
-                             "(a login is letters, digits, '-', '_' or '.')")
-        full_name, email = (fields + ["", ""])[1:3]
-        first, _, last = full_name.rpartition(" ")
+    for account in accounts:
+        first, _, last = account.full_name.rpartition(" ")
         first, last = (first, last) if first else (last, "")
-        students.append(Student(login, first or None, last or None, email or None))
+        students.append(Student(account.name, first or None, last or None, account.email or None))
     return students
 
 
