@@ -99,8 +99,11 @@ def parse_loads(text: str) -> list[float]:
 
 
 def nbmake_command(notebook: Path) -> list[str]:
+    """`make test-notebooks`' nbmake run of one notebook; its log also timestamps each cell nbclient starts (its
+    debug log), so a slow run shows where the time went."""
     return [sys.executable, "-m", "pytest", str(notebook), "--nbmake", f"--nbmake-timeout={NOTEBOOK_TIMEOUT}",
-            "-p", "no:cacheprovider"]
+            "-p", "no:cacheprovider", "-o", "log_cli=true", "--log-cli-level=DEBUG",
+            "--log-cli-format=%(asctime)s %(message).200s"]
 
 
 def ci_env(tag: str, runs_dir: Path) -> dict[str, str]:

@@ -4,7 +4,8 @@
 
 torchrun gives each rank a file to write its error to (TORCHELASTIC_ERROR_FILE). `@record` catches the exception
 that leaves `main`, writes it there (message, traceback, time) and raises it again; torchrun's report then shows
-that traceback as the "Root Cause (first observed failure)", with the rank and its exit code. Without `@record`
+that traceback among its failures, with the rank and its exit code (and as the "Root Cause (first observed
+failure)" when its whole-second stamp is the earliest: notebook 12, section 8b). Without `@record`
 the report says only "exitcode: 1" and "To enable traceback see: .../elastic/errors.html".
 """
 from __future__ import annotations
