@@ -404,9 +404,7 @@ def wait_all(started: dict[str, Launch]) -> dict[str, tuple[LaunchError | None, 
         for name, launched in started.items():
             if name in finished:
                 continue
-            if name in entered:  # its own wait ended it on a Stop; make sure whatever else happened
-                end_run(launched.run_id, [agent.pid for agent in launched.agents], grace_s=1.0)
-            else:
-                launched._end_everything()
+            launched._end_everything()  # again for the one whose wait was cut short: ending is idempotent
+            if name not in entered:
                 launched._finish("stopped")
     return finished
