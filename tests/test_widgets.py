@@ -55,8 +55,10 @@ def widget_states(notebook: nbformat.NotebookNode, model_name: str) -> list[dict
 
 
 def press_run(cell: str) -> list[dict]:
-    """Execute SETUP then `cell` in a fresh kernel; the outputs the panel's Output widget holds afterwards."""
-    outputs = [state["outputs"] for state in widget_states(run_in_kernel([SETUP, cell]), "OutputModel")]
+    """Execute SETUP then `cell` in a fresh kernel a learner watches; the outputs the panel's Output widget holds
+    afterwards."""
+    notebook = run_in_kernel([SETUP, cell], LABSRC_HEADLESS="0")
+    outputs = [state["outputs"] for state in widget_states(notebook, "OutputModel")]
     assert len(outputs) == 1, f"expected the panel's one Output widget, found {len(outputs)}"
     return outputs[0]
 
@@ -80,6 +82,16 @@ def test_pressing_run_on_a_failing_choice_shows_the_error_as_a_box_not_a_traceba
     assert "labsrc-feedback" in html and "size must be 0 or more" in html, f"no error box: {outputs}"
     assert "image/png" not in mime_types(outputs), "a failed run should draw no figure"
     assert not [o for o in outputs if o.get("output_type") == "error"], "a raw traceback in the panel"
+
+
+def test_in_a_headless_kernel_the_run_writes_into_the_cell_not_the_widget():
+    # nbclient's copy of an Output widget syncs over the shell channel and can hide the cell's reply (nbclient#312)
+    notebook = run_in_kernel([SETUP, "panel.run()"], LABSRC_HEADLESS="1")
+    widget_outputs = [state["outputs"] for state in widget_states(notebook, "OutputModel")]
+    assert widget_outputs == [[]], f"a headless run captured into the widget: {widget_outputs}"
+    cell = notebook.cells[1].outputs
+    kinds = mime_types(cell)
+    assert "image/png" in kinds and "done in" in " ".join(o["data"].get("text/html", "") for o in cell if "data" in o)
 
 
 def test_panel_run_from_a_cell_raises_what_the_run_raised():
