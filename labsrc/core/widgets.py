@@ -8,6 +8,7 @@ from typing import Any, Callable, Sequence
 
 from labsrc.core.progress import in_notebook
 
+
 def label_style(names: Sequence[str]) -> dict:
     """One label width for a panel, wide enough for its longest name: "global batch", not "global bat..."."""
     return {"description_width": f"{max((len(name) for name in names), default=0) + 2}ch"}
