@@ -5,16 +5,15 @@
 from __future__ import annotations
 
 import datetime
-import os
 import pickle
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from labsrc.core.forked import run_ranks
+from labsrc.core.processes import environment_set
 
 FLIGHT_RECORDER_ENTRIES = 200  # TORCH_FR_BUFFER_SIZE: collectives each rank remembers
 STARTUP_S = 60.0
@@ -41,23 +40,9 @@ class Outcome:
     """The c10d debug level in force on this rank as it ran (OFF, INFO, DETAIL): what its groups were built with."""
 
 
-@contextmanager
 def environment(**variables: str | None):
     """Set (or, with None, remove) environment variables for the block; the old values come back after."""
-    saved = {name: os.environ.get(name) for name in variables}
-    try:
-        for name, value in variables.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return environment_set(variables)
 
 
 def short_group(timeout_s: float):

@@ -9,12 +9,12 @@ against libaio (Debian: libaio-dev); the build is cached under TORCH_EXTENSIONS_
 from __future__ import annotations
 
 import importlib.util
-import os
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
+from labsrc.core.processes import environment_set
 from labsrc.memory_sharding import deep_mlp
 
 MISSING = "DeepSpeed is not installed: `make deepspeed` adds it"
@@ -53,16 +53,8 @@ def deepspeed_environment(ctx):
     """The variables DeepSpeed reads to find its rank, set for the block and restored after."""
     values = {"DS_ACCELERATOR": "cpu", "RANK": str(ctx.rank), "LOCAL_RANK": str(ctx.local_rank),
               "WORLD_SIZE": str(ctx.world_size), "LOCAL_WORLD_SIZE": str(ctx.world_size)}
-    before = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
+    with environment_set(values):
         yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def train_deepspeed(ctx, stage: int, depth: int, width: int, batches, lr: float) -> list[dict]:

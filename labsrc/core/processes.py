@@ -75,11 +75,16 @@ def end_run(run_id: str, root_pids=None, grace_s: float = GRACE_S) -> int:
 
 
 @contextmanager
-def environment_set(values: dict[str, str]):
-    """os.environ updated with `values` inside the block (the children started there inherit them), restored after."""
+def environment_set(values: dict[str, str | None]):
+    """os.environ updated with `values` inside the block (a None removes the variable; the children started there
+    inherit them), restored after."""
     before = {key: os.environ.get(key) for key in values}
-    os.environ.update(values)
     try:
+        for key, value in values.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         yield
     finally:
         for key, value in before.items():
