@@ -8,6 +8,10 @@ gradient; the server applies each gradient as it arrives and answers that worker
 parameters out of the server and a gradient into it, t_out and t_in seconds on its link. One worker does both in
 turn (an update per t_out + t_in); more workers overlap them, until the server's link is busy both ways (an update
 per max(t_out, t_in)): updates/s = min(W / (t_out + t_in), 1 / max(t_out, t_in)).
+
+The rates are the link's only while no rank waits for a core: each rank of a phase records how long it was runnable
+but not running (`busy.core_wait_s`, the kernel's count), so a busy machine that still left the ranks their cores
+can be told from one that slowed them.
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from labsrc.core import busy
 from labsrc.core.runs import RUN_DIR_ENV, Record, RecordWriter, write_summary
 
 WIRE_EFFICIENCY = 1448 / 1514
@@ -48,6 +53,24 @@ class LinkPhase(Record):
     @property
     def updates_per_s(self) -> float:
         return self.updates / self.seconds
+
+
+@dataclass
+class CoreWait(Record):
+    """One rank in one phase (server or worker): its wall time and how much of it it waited for a core."""
+
+    KIND: ClassVar[str] = "ps_link_core_wait"
+    phase: int
+    """The phase's index in --workers, in the order they ran."""
+    workers: int
+    wall_s: float
+    """From the phase's start (after a barrier) to this rank's end of it."""
+    waited_s: float | None
+    """Runnable but not running (busy.core_wait_s); None where the kernel does not count it."""
+
+    @property
+    def share(self) -> float | None:
+        return None if self.waited_s is None else self.waited_s / self.wall_s
 
 
 def model_updates_per_s(workers: int, parameters_bytes: int, gradient_bytes: int, link_bits_per_s: int) -> float:
@@ -106,15 +129,21 @@ def main(argv=None) -> None:
     records = RecordWriter(os.environ.get(RUN_DIR_ENV, "."), rank)
     parameters = torch.zeros(args.floats)
     try:
-        for workers in args.workers:
+        for phase, workers in enumerate(args.workers):
             dist.barrier()
+            started, waited = time.perf_counter(), busy.core_wait_s()
             if rank == 0:
                 timed, seconds = serve(workers, parameters, args.updates, args.warmup)
+            elif rank <= workers:
+                work(parameters)
+            if rank <= workers:
+                now = busy.core_wait_s()
+                records.write(CoreWait(phase=phase, workers=workers, wall_s=time.perf_counter() - started,
+                                       waited_s=None if waited is None or now is None else now - waited))
+            if rank == 0:
                 records.write(LinkPhase(workers=workers, updates=timed, seconds=seconds,
                                         parameters_bytes=4 * (args.floats + 1), gradient_bytes=4 * args.floats,
                                         link_bits_per_s=int(os.environ.get("LABSRC_LINK_BITS", 0))))
-            elif rank <= workers:
-                work(parameters)
         dist.barrier()
         if rank == 0:
             write_summary(records.run_dir, {"workers": args.workers, "floats": args.floats})

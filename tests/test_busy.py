@@ -48,3 +48,49 @@ def test_judged_is_the_branch_and_notes_only_the_claims_it_left_unasserted(tmp_p
     monkeypatch.delenv(busy.UNJUDGED_LOG_ENV)
     assert busy.judged("the rates", False) is False  # nowhere to note it: only the branch
     assert len(log.read_text().splitlines()) == 2
+
+
+_WAITER = """import os, sys, time
+from labsrc.core.busy import core_wait_s
+os.sched_setaffinity(0, {{{cpu}}})
+time.sleep(0.05)
+start, cpu, waited = time.perf_counter(), time.process_time(), core_wait_s()
+if sys.argv[1] == "spin":
+    while time.perf_counter() - start < 0.6:
+        pass
+else:
+    for _ in range(30):
+        time.sleep(0.02)
+wall = time.perf_counter() - start
+print((core_wait_s() - waited) / wall, (time.process_time() - cpu) / wall)
+"""
+
+
+def test_core_wait_counts_the_time_runnable_but_not_running():
+    if busy.core_wait_s() is None:
+        pytest.skip("this kernel keeps no /proc/self/schedstat")
+    cpu = min(os.sched_getaffinity(0))
+    hog = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
+    hogs = [subprocess.Popen([sys.executable, "-c", hog]) for _ in range(2)]
+    try:
+        time.sleep(0.3)
+        env = dict(os.environ, PYTHONPATH=str(busy.ROOT))
+        share = {kind: [float(x) for x in subprocess.run(
+                     [sys.executable, "-c", _WAITER.format(cpu=cpu), kind], env=env, capture_output=True, text=True,
+                     check=True, timeout=60).stdout.split()] for kind in ("spin", "sleep")}
+    finally:
+        for process in hogs:
+            process.kill()
+            process.wait()
+    (spin_waited, spin_ran), (sleep_waited, _) = share["spin"], share["sleep"]
+    # a busy loop sharing one core with two others runs about a third of the time and waits the rest
+    assert spin_waited > spin_ran and abs(spin_waited + spin_ran - 1) < 0.15, share
+    # a process that sleeps waits for the core only when it wakes
+    assert sleep_waited < spin_waited / 2, share
+
+
+def test_core_wait_is_none_where_the_kernel_does_not_count_it(monkeypatch):
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("/proc/self/schedstat")
+    monkeypatch.setattr(busy, "open", missing, raising=False)
+    assert busy.core_wait_s() is None

@@ -8,7 +8,9 @@ took. A lesson compares inside one run, interleaved and with medians; where it s
 (`Busy.verdict`), asserts the mechanism (bytes, counts, equality) and reports the timing without asserting it.
 `judged(what, quiet)` is the lesson's branch between the two: where LABSRC_UNJUDGED_LOG names a file (the load
 harness, tools/load_harness.py, sets it per run) it notes there each timing claim that went unjudged, so a pass
-under load says which of its claims it checked.
+under load says which of its claims it checked. `core_wait_s()` is the other way to know: how long this process
+has waited for a core (runnable, not running), as the kernel counts it; a lab whose ranks mostly wait on a link can
+show that they did not wait for a core, however busy the CPU is.
 """
 from __future__ import annotations
 
@@ -29,6 +31,9 @@ UNJUDGED_LOG_ENV = "LABSRC_UNJUDGED_LOG"
 """A file where `judged` appends one JSON line per timing claim reported without an assert (unset: nowhere)."""
 QUIET_SLOWDOWN = 1.5
 """The probe got at least two thirds of a core: wall time under 1.5x its CPU time."""
+QUIET_CORE_WAIT = 0.05
+"""A process that waited for a core (core_wait_s) under 5% of its wall time: its timings are its own work's and its
+own waits' (ranks sleeping on a 100 Mbit/s link waited at most 2.4% at 16 busy processes on 2 cores)."""
 
 
 def spread(samples: Sequence[float]) -> float:
@@ -72,6 +77,21 @@ def judged(what: str, quiet: bool) -> bool:
         with open(os.environ[UNJUDGED_LOG_ENV], "a") as log:
             log.write(json.dumps({"claim": what}) + "\n")
     return bool(quiet)
+
+
+def core_wait_s() -> float | None:
+    """Seconds this process has so far been runnable but waiting for a core: the second field of Linux's
+    /proc/self/schedstat (run_delay, ns; the kernel's scheduler statistics). None where the kernel does not keep it.
+
+    A process that sleeps on a socket or a timer waits for a core only when it wakes and every core is taken;
+    one that computes waits whenever the busy neighbours hold the cores. Measured here at 16 busy processes on 2
+    cores: a loop of 40 ms sleeps waited 9% of its wall time, a loop of arithmetic 90%.
+    """
+    try:
+        with open("/proc/self/schedstat") as stats:
+            return int(stats.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def _timings(repeats: int, work: int) -> tuple[list[float], list[float]]:
