@@ -17,7 +17,6 @@ import shutil
 import subprocess
 import tempfile
 import threading
-import time
 from pathlib import Path
 
 import psutil
@@ -25,6 +24,7 @@ import pytest
 
 from labsrc.core import class_accounts, class_settings, leases, pool_setup
 from labsrc.core.class_settings import PROXY_COMMAND
+from waiting import wait_until
 
 requests = pytest.importorskip("requests", reason="requests comes with jupyterhub (make test-class-server)")
 pytest.importorskip("jupyterhub", reason="jupyterhub is not installed: make test-class-server installs the extra")
@@ -153,14 +153,6 @@ def start_servers(hub: Hub) -> None:
             user = requests.get(f"{hub.url}/hub/api/users/{name}", headers=hub.token(name)).json()
             return user["servers"].get("", {}).get("ready")
         wait_until(ready, 120, f"{name}'s server up")
-
-
-def wait_until(condition, deadline_s: float, what: str) -> float:
-    started = time.perf_counter()
-    while not condition():
-        assert time.perf_counter() - started < deadline_s, f"{what} not within {deadline_s} s"
-        time.sleep(0.05)
-    return time.perf_counter() - started
 
 
 def held(pool: leases.Pool) -> list[dict]:

@@ -14,11 +14,18 @@ import pytest
 
 from labsrc import doctor, launch
 from labsrc.core import launch as launch_core, leases, pool_setup
+from waiting import wait_until
 
 SHOW = textwrap.dedent("""\
     import json, os, sys, time
+    from pathlib import Path
     started = time.time()
-    time.sleep(float(sys.argv[1]))
+    if sys.argv[1].startswith("until:"):  # hold until the test says so (at most 150 s), however slow the others start
+        release, deadline = Path(sys.argv[1][len("until:"):]), time.time() + 150
+        while not release.exists() and time.time() < deadline:
+            time.sleep(0.05)
+    else:
+        time.sleep(float(sys.argv[1]))
     print(json.dumps({"gpus": os.environ.get("CUDA_VISIBLE_DEVICES"), "cores": sorted(os.sched_getaffinity(0)),
                       "omp": os.environ.get("OMP_NUM_THREADS"), "started": started, "ended": time.time()}))
 """)
@@ -44,8 +51,9 @@ def make_pool(tmp_path, **shape) -> leases.Pool:
     return pool_setup.init(tmp_path / "pool", fake_gpus=True, **shape)
 
 
-def start_launcher(pool: leases.Pool, script: Path, sleep_s: float, output: Path, timeout: float = 150):
-    """`python -m labsrc.launch` on one rank in its own process, as a second student's kernel would launch."""
+def start_launcher(pool: leases.Pool, script: Path, sleep_s: float | str, output: Path, timeout: float = 150):
+    """`python -m labsrc.launch` on one rank in its own process, as a second student's kernel would launch. Its rank
+    sleeps `sleep_s` seconds, or with "until:<path>" holds its slot until that file exists."""
     env = dict(os.environ, LABSRC_POOL_DIR=str(pool.directory), LABSRC_RUNS=str(output.parent / "runs"))
     with open(output, "wb") as sink:
         return subprocess.Popen([sys.executable, "-m", "labsrc.launch", "--nproc", "1", "--timeout", str(timeout),
@@ -81,23 +89,17 @@ def rank_running(runs_dir: Path) -> bool:
     return False
 
 
-def wait_until(condition, deadline_s: float, what: str) -> float:
-    started = time.perf_counter()
-    while not condition():
-        assert time.perf_counter() - started < deadline_s, f"{what} not within {deadline_s} s (a guard against a hang, not a timing claim)"
-        time.sleep(0.05)
-    return time.perf_counter() - started
-
-
 @pytest.mark.slow
 def test_two_runs_at_once_get_their_own_gpu_and_a_third_waits_its_turn(tmp_path, script):
     pool = make_pool(tmp_path, gpus=2, gpus_per_run=1)
     outputs = [tmp_path / f"launcher{i}.txt" for i in range(3)]
-    procs = [start_launcher(pool, script, 6, outputs[i]) for i in range(2)]
+    release = tmp_path / "release"   # the first two hold their GPUs until the third is seen waiting
+    procs = [start_launcher(pool, script, f"until:{release}", outputs[i]) for i in range(2)]
     try:
         wait_until(lambda: len(held(pool)) == 2, 90, "both runs holding a GPU")
         procs.append(start_launcher(pool, script, 0, outputs[2]))
-        wait_until(lambda: "waiting for 1 GPU" in outputs[2].read_text(), 180, "the third run waiting")
+        wait_until(lambda: "waiting for 1 GPU" in outputs[2].read_text(), 120, "the third run waiting")
+        release.touch()
         first, second, third = finish(procs, outputs)
     finally:
         for proc in procs:
