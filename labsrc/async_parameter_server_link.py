@@ -9,9 +9,10 @@ parameters out of the server and a gradient into it, t_out and t_in seconds on i
 turn (an update per t_out + t_in); more workers overlap them, until the server's link is busy both ways (an update
 per max(t_out, t_in)): updates/s = min(W / (t_out + t_in), 1 / max(t_out, t_in)).
 
-The rates are the link's only while no rank waits for a core: each rank of a phase records how long it was runnable
-but not running (`busy.core_wait_s`, the kernel's count), so a busy machine that still left the ranks their cores
-can be told from one that slowed them.
+Each rank of a phase records how long its threads were runnable but not running (`busy.core_wait_since`, the
+kernel's count): `judge_rates` judges the rates against the link only where the ranks of every phase, summed, waited
+for a core under 5% of it, so a busy machine that still left the ranks their cores can be told from one that slowed
+them.
 """
 from __future__ import annotations
 
@@ -66,11 +67,51 @@ class CoreWait(Record):
     wall_s: float
     """From the phase's start (after a barrier) to this rank's end of it."""
     waited_s: float | None
-    """Runnable but not running (busy.core_wait_s); None where the kernel does not count it."""
+    """Its threads, summed, runnable but not running (busy.core_wait_since); None where the kernel does not count it."""
 
-    @property
-    def share(self) -> float | None:
-        return None if self.waited_s is None else self.waited_s / self.wall_s
+
+@dataclass(frozen=True)
+class RatesVerdict:
+    """Whether the measured rates can be judged against the link, and why."""
+
+    judged: bool
+    why: str
+    worst_wait: float | None
+    """The largest share of a phase its ranks, summed, waited for a core (None: not counted, the probes judged)."""
+
+
+def phase_waits(waits: list[CoreWait]) -> dict[int, float] | None:
+    """Per phase: its ranks' waits for a core, summed, over the phase's wall time (its slowest rank's). None where
+    any rank could not count them."""
+    if not waits or any(w.waited_s is None for w in waits):
+        return None
+    phases: dict[int, list[CoreWait]] = {}
+    for w in waits:
+        phases.setdefault(w.phase, []).append(w)
+    return {phase: sum(w.waited_s for w in ranks) / max(w.wall_s for w in ranks) for phase, ranks in phases.items()}
+
+
+def judge_rates(waits: list[CoreWait], rounds_spread: float, probes_quiet: bool, linked: bool) -> RatesVerdict:
+    """Judge the rates against the link when the rounds of each phase agree and the CPU held no phase up.
+
+    Behind an emulated link the ranks' own waits for a core decide: under busy.QUIET_CORE_WAIT of every phase,
+    summed over its ranks, so the CPU cost no phase more than that share of its rate. Without a link (four ranks
+    share the cores and wait for each other even on an idle machine) or where the kernel does not count the waits,
+    the CPU probes before and after the run decide.
+    """
+    if rounds_spread >= busy.QUIET_SPREAD:
+        return RatesVerdict(False, f"the rounds of one phase spread {rounds_spread:.0%} (over "
+                                   f"{busy.QUIET_SPREAD:.0%}): something besides the link set the rates", None)
+    shares = phase_waits(waits) if linked else None
+    if shares is None:
+        reason = "no emulated link" if not linked else "this kernel does not count waits for a core"
+        return RatesVerdict(probes_quiet, f"{reason}: the CPU probes found the machine "
+                                          f"{'quiet' if probes_quiet else 'busy'}", None)
+    worst = max(shares.values())
+    free = worst < busy.QUIET_CORE_WAIT
+    return RatesVerdict(free, f"the ranks of a phase, summed, waited for a core at most {worst:.1%} of it "
+                              f"({'under' if free else 'over'} {busy.QUIET_CORE_WAIT:.0%}): the CPU "
+                              f"{'did not hold the ranks up' if free else 'may have slowed them'}", worst)
 
 
 def model_updates_per_s(workers: int, parameters_bytes: int, gradient_bytes: int, link_bits_per_s: int) -> float:
@@ -131,15 +172,14 @@ def main(argv=None) -> None:
     try:
         for phase, workers in enumerate(args.workers):
             dist.barrier()
-            started, waited = time.perf_counter(), busy.core_wait_s()
+            started, waits = time.perf_counter(), busy.core_waits()
             if rank == 0:
                 timed, seconds = serve(workers, parameters, args.updates, args.warmup)
             elif rank <= workers:
                 work(parameters)
             if rank <= workers:
-                now = busy.core_wait_s()
                 records.write(CoreWait(phase=phase, workers=workers, wall_s=time.perf_counter() - started,
-                                       waited_s=None if waited is None or now is None else now - waited))
+                                       waited_s=busy.core_wait_since(waits)))
             if rank == 0:
                 records.write(LinkPhase(workers=workers, updates=timed, seconds=seconds,
                                         parameters_bytes=4 * (args.floats + 1), gradient_bytes=4 * args.floats,

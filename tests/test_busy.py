@@ -50,25 +50,45 @@ def test_judged_is_the_branch_and_notes_only_the_claims_it_left_unasserted(tmp_p
     assert len(log.read_text().splitlines()) == 2
 
 
-_WAITER = """import os, sys, time
-from labsrc.core.busy import core_wait_s
-os.sched_setaffinity(0, {{{cpu}}})
+_WAITER = """import os, sys, threading, time
+from labsrc.core.busy import core_wait_since, core_waits
+os.sched_setaffinity(0, {{{cpu}}})   # threads started below inherit it
 time.sleep(0.05)
-start, cpu, waited = time.perf_counter(), time.process_time(), core_wait_s()
+
+
+spun, counted = threading.Event(), threading.Event()
+
+
+def spin():
+    while time.perf_counter() - start < 0.6:
+        pass
+    spun.set()
+    counted.wait()   # alive until counted: a thread that ended is left out
+
+
+start, cpu, before = time.perf_counter(), time.process_time(), core_waits()
+worker = None
 if sys.argv[1] == "spin":
     while time.perf_counter() - start < 0.6:
         pass
+elif sys.argv[1] == "thread":   # the main thread sleeps; a second thread computes
+    worker = threading.Thread(target=spin)
+    worker.start()
+    spun.wait()
 else:
     for _ in range(30):
         time.sleep(0.02)
 wall = time.perf_counter() - start
-print((core_wait_s() - waited) / wall, (time.process_time() - cpu) / wall)
+print(core_wait_since(before) / wall, (time.process_time() - cpu) / wall)
+counted.set()
+if worker:
+    worker.join()
 """
 
 
-def test_core_wait_counts_the_time_runnable_but_not_running():
-    if busy.core_wait_s() is None:
-        pytest.skip("this kernel keeps no /proc/self/schedstat")
+def test_core_wait_counts_the_time_runnable_but_not_running_in_every_thread():
+    if busy.core_waits() is None:
+        pytest.skip("this kernel keeps no schedstat")
     cpu = min(os.sched_getaffinity(0))
     hog = f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"
     hogs = [subprocess.Popen([sys.executable, "-c", hog]) for _ in range(2)]
@@ -77,20 +97,40 @@ def test_core_wait_counts_the_time_runnable_but_not_running():
         env = dict(os.environ, PYTHONPATH=str(busy.ROOT))
         share = {kind: [float(x) for x in subprocess.run(
                      [sys.executable, "-c", _WAITER.format(cpu=cpu), kind], env=env, capture_output=True, text=True,
-                     check=True, timeout=60).stdout.split()] for kind in ("spin", "sleep")}
+                     check=True, timeout=60).stdout.split()] for kind in ("spin", "thread", "sleep")}
     finally:
         for process in hogs:
             process.kill()
             process.wait()
-    (spin_waited, spin_ran), (sleep_waited, _) = share["spin"], share["sleep"]
+    (spin_waited, spin_ran), (thread_waited, thread_ran), (sleep_waited, _) = \
+        share["spin"], share["thread"], share["sleep"]
     # a busy loop sharing one core with two others runs about a third of the time and waits the rest
     assert spin_waited > spin_ran and abs(spin_waited + spin_ran - 1) < 0.15, share
+    # the same loop in a second thread while the main thread sleeps: its waits count too
+    assert thread_waited > thread_ran and abs(thread_waited + thread_ran - 1) < 0.15, share
     # a process that sleeps waits for the core only when it wakes
     assert sleep_waited < spin_waited / 2, share
 
 
 def test_core_wait_is_none_where_the_kernel_does_not_count_it(monkeypatch):
     def missing(*args, **kwargs):
-        raise FileNotFoundError("/proc/self/schedstat")
-    monkeypatch.setattr(busy, "open", missing, raising=False)
-    assert busy.core_wait_s() is None
+        raise FileNotFoundError("/proc/self/task")
+    monkeypatch.setattr(busy.os, "listdir", missing)
+    assert busy.core_waits() is None and busy.core_wait_since({1: 0.0}) is None
+    monkeypatch.undo()
+    assert busy.core_wait_since(None) is None
+
+    class Off:   # what the kernel prints with its scheduler accounting off
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def read(self):
+            return "0 0 0\n"
+    monkeypatch.setattr(busy, "open", Off, raising=False)
+    assert busy.core_waits() is None

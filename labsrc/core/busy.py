@@ -8,9 +8,9 @@ took. A lesson compares inside one run, interleaved and with medians; where it s
 (`Busy.verdict`), asserts the mechanism (bytes, counts, equality) and reports the timing without asserting it.
 `judged(what, quiet)` is the lesson's branch between the two: where LABSRC_UNJUDGED_LOG names a file (the load
 harness, tools/load_harness.py, sets it per run) it notes there each timing claim that went unjudged, so a pass
-under load says which of its claims it checked. `core_wait_s()` is the other way to know: how long this process
-has waited for a core (runnable, not running), as the kernel counts it; a lab whose ranks mostly wait on a link can
-show that they did not wait for a core, however busy the CPU is.
+under load says which of its claims it checked. `core_waits()` and `core_wait_since()` are the other way to know:
+how long a process's threads waited for a core (runnable, not running), as the kernel counts it; a lab whose ranks
+mostly wait on a link can show that they did not wait for a core, however busy the CPU is.
 """
 from __future__ import annotations
 
@@ -32,8 +32,8 @@ UNJUDGED_LOG_ENV = "LABSRC_UNJUDGED_LOG"
 QUIET_SLOWDOWN = 1.5
 """The probe got at least two thirds of a core: wall time under 1.5x its CPU time."""
 QUIET_CORE_WAIT = 0.05
-"""A process that waited for a core (core_wait_s) under 5% of its wall time: its timings are its own work's and its
-own waits' (ranks sleeping on a 100 Mbit/s link waited at most 2.4% at 16 busy processes on 2 cores)."""
+"""A step of work whose ranks, summed, waited for a core under 5% of its wall time: even if every one of those
+waits held up the step, it lost under 5% of its rate to the CPU."""
 
 
 def spread(samples: Sequence[float]) -> float:
@@ -79,19 +79,47 @@ def judged(what: str, quiet: bool) -> bool:
     return bool(quiet)
 
 
-def core_wait_s() -> float | None:
-    """Seconds this process has so far been runnable but waiting for a core: the second field of Linux's
-    /proc/self/schedstat (run_delay, ns; the kernel's scheduler statistics). None where the kernel does not keep it.
+def core_waits() -> dict[int, float] | None:
+    """Per thread of this process (by thread id): the seconds it has so far been runnable but waiting for a core,
+    the second field of Linux's /proc/<pid>/task/<tid>/schedstat (run_delay, ns: "time spent waiting on a
+    runqueue", kernel Documentation/scheduler/sched-stats.rst; kept where the kernel has CONFIG_SCHED_INFO). None
+    where the kernel does not keep it (no file, or the "0 0 0" it prints when the accounting is off).
 
-    A process that sleeps on a socket or a timer waits for a core only when it wakes and every core is taken;
-    one that computes waits whenever the busy neighbours hold the cores. Measured here at 16 busy processes on 2
-    cores: a loop of 40 ms sleeps waited 9% of its wall time, a loop of arithmetic 90%.
+    Every thread counts: a rank's main thread mostly waits on a condition, and gloo's device thread moves the bytes.
     """
     try:
-        with open("/proc/self/schedstat") as stats:
-            return int(stats.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
+        threads = os.listdir("/proc/self/task")
+    except OSError:
         return None
+    waits, ran = {}, 0
+    for thread in threads:
+        try:
+            with open(f"/proc/self/task/{thread}/schedstat") as stats:
+                fields = stats.read().split()
+        except FileNotFoundError:   # the thread ended meanwhile
+            continue
+        except OSError:
+            return None
+        try:
+            ran += int(fields[0])
+            waits[int(thread)] = int(fields[1]) / 1e9
+        except (IndexError, ValueError):
+            return None
+    return waits if waits and ran > 0 else None
+
+
+def core_wait_since(before: dict[int, float] | None) -> float | None:
+    """Seconds this process's threads, summed, waited for a core since `before` (a `core_waits()`); a thread
+    started since counts from 0, one that ended is left out. None where the kernel does not count it.
+
+    A thread that sleeps on a socket or a timer waits for a core only when it wakes and every core is taken; one
+    that computes waits whenever busy neighbours hold the cores. Measured here at 16 busy processes on 2 cores: a
+    loop of 40 ms sleeps waited 9% of its wall time, a loop of arithmetic 90%.
+    """
+    now = core_waits()
+    if before is None or now is None:
+        return None
+    return sum(waited - before.get(thread, 0.0) for thread, waited in now.items())
 
 
 def _timings(repeats: int, work: int) -> tuple[list[float], list[float]]:
