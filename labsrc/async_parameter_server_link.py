@@ -77,7 +77,7 @@ class RatesVerdict:
     judged: bool
     why: str
     worst_wait: float | None
-    """The largest share of a phase its ranks, summed, waited for a core (None: not counted, the probes judged)."""
+    """The largest share of a phase its ranks, summed, waited for a core (None: not counted)."""
 
 
 def phase_waits(waits: list[CoreWait]) -> dict[int, float] | None:
@@ -94,24 +94,27 @@ def phase_waits(waits: list[CoreWait]) -> dict[int, float] | None:
 def judge_rates(waits: list[CoreWait], rounds_spread: float, probes_quiet: bool, linked: bool) -> RatesVerdict:
     """Judge the rates against the link when the rounds of each phase agree and the CPU held no phase up.
 
-    Behind an emulated link the ranks' own waits for a core decide: under busy.QUIET_CORE_WAIT of every phase,
+    On a quiet machine (the CPU probes before and after the run) nothing else competes for the cores. On a busy one,
+    behind an emulated link, the ranks' own waits for a core decide: under busy.QUIET_CORE_WAIT of every phase,
     summed over its ranks, so the CPU cost no phase more than that share of its rate. Without a link (four ranks
     share the cores and wait for each other even on an idle machine) or where the kernel does not count the waits,
-    the CPU probes before and after the run decide.
+    a busy machine cannot be judged.
     """
     if rounds_spread >= busy.QUIET_SPREAD:
         return RatesVerdict(False, f"the rounds of one phase spread {rounds_spread:.0%} (over "
                                    f"{busy.QUIET_SPREAD:.0%}): something besides the link set the rates", None)
     shares = phase_waits(waits) if linked else None
+    worst = max(shares.values()) if shares else None
+    if probes_quiet:
+        return RatesVerdict(True, "the CPU probes found the machine quiet", worst)
     if shares is None:
         reason = "no emulated link" if not linked else "this kernel does not count waits for a core"
-        return RatesVerdict(probes_quiet, f"{reason}: the CPU probes found the machine "
-                                          f"{'quiet' if probes_quiet else 'busy'}", None)
-    worst = max(shares.values())
+        return RatesVerdict(False, f"{reason}, and the CPU probes found the machine busy", None)
     free = worst < busy.QUIET_CORE_WAIT
-    return RatesVerdict(free, f"the ranks of a phase, summed, waited for a core at most {worst:.1%} of it "
-                              f"({'under' if free else 'over'} {busy.QUIET_CORE_WAIT:.0%}): the CPU "
-                              f"{'did not hold the ranks up' if free else 'may have slowed them'}", worst)
+    effect = "did not hold the ranks up" if free else "may have slowed them"
+    return RatesVerdict(free, f"the CPU probes found the machine busy; the ranks of a phase, summed, waited for a "
+                              f"core at most {worst:.1%} of it ({'under' if free else 'over'} "
+                              f"{busy.QUIET_CORE_WAIT:.0%}): the CPU {effect}", worst)
 
 
 def model_updates_per_s(workers: int, parameters_bytes: int, gradient_bytes: int, link_bits_per_s: int) -> float:
