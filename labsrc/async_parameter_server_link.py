@@ -10,9 +10,9 @@ turn (an update per t_out + t_in); more workers overlap them, until the server's
 per max(t_out, t_in)): updates/s = min(W / (t_out + t_in), 1 / max(t_out, t_in)).
 
 Each rank of a phase records how long its threads were runnable but not running (`busy.core_wait_since`, the
-kernel's count): `judge_rates` judges the rates against the link only where the ranks of every phase, summed, waited
-for a core under 5% of it, so a busy machine that still left the ranks their cores can be told from one that slowed
-them.
+kernel's count): on a busy machine `judge_rates` judges the rates against the link only where the ranks of every
+phase, summed, waited for a core under 5% of it, so a busy machine that still left the ranks their cores can be told
+from one that slowed them.
 """
 from __future__ import annotations
 
