@@ -9,12 +9,12 @@ from __future__ import annotations
 import re
 import shlex
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from string import Template
 
+from labsrc.core.paths import REPO
 from labsrc.core.world import RequestError
 
-TEMPLATES = Path(__file__).resolve().parents[1] / "cluster"
+TEMPLATES = REPO / "cluster"
 IP_INTERFACE_PREFIXES = ("eth", "en", "ib", "lo", "bond")  # `ip addr` names; InfiniBand adapters are mlx5_0, ...
 PLACEHOLDER = re.compile(r"\$(?!\$)\{?[a-z_]+\}?")  # a $name the template did not fill (shell $VARS are upper case)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from labsrc.core import runs
 from labsrc.core.launch import ELASTIC_RDZV_CONF
+from labsrc.core.paths import REPO
 from labsrc.core.slurm_cluster import SlurmCluster
 from labsrc.core.world import RequestError
 from labsrc.elastic_fault_tolerance_cluster import ClusterJob, render_sbatch
@@ -44,7 +45,7 @@ def emulated_job(kill_on_bad_exit: bool = True, step_sleep_s: float = 0.5, no_ki
 
 def job_environment(run_dir: Path) -> dict:
     """What the job needs from the submitter (sbatch --export): this venv's python first on PATH, labsrc, a run dir."""
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(REPO)
     return {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}",
             "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
             runs.RUN_DIR_ENV: str(run_dir)}

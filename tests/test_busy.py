@@ -9,6 +9,7 @@ import time
 import pytest
 
 from labsrc.core import busy
+from labsrc.core.paths import REPO
 
 
 def test_spread_is_the_middle_80_percent_over_the_median():
@@ -94,7 +95,7 @@ def test_core_wait_counts_the_time_runnable_but_not_running_in_every_thread():
     hogs = [subprocess.Popen([sys.executable, "-c", hog]) for _ in range(2)]
     try:
         time.sleep(0.3)
-        env = dict(os.environ, PYTHONPATH=str(busy.ROOT))
+        env = dict(os.environ, PYTHONPATH=str(REPO))
         share = {kind: [float(x) for x in subprocess.run(
                      [sys.executable, "-c", _WAITER.format(cpu=cpu), kind], env=env, capture_output=True, text=True,
                      check=True, timeout=60).stdout.split()] for kind in ("spin", "thread", "sleep")}

@@ -24,6 +24,7 @@ import pytest
 
 from labsrc.core import class_accounts, class_settings, leases, pool_setup
 from labsrc.core.class_settings import PROXY_COMMAND
+from labsrc.core.paths import REPO
 from waiting import wait_until
 
 requests = pytest.importorskip("requests", reason="requests comes with jupyterhub (make test-class-server)")
@@ -164,7 +165,7 @@ def test_each_student_logs_in_and_gets_their_own_server_and_notebooks(hub):
     print(f"hub start-up: {hub.startup_s:.1f} s")
     start_servers(hub)
     for name in hub.students:
-        assert (class_hub.home_of(name) / "labsrc-course" / "docs").resolve() == class_hub.ROOT / "docs"
+        assert (class_hub.home_of(name) / "labsrc-course" / "docs").resolve() == REPO / "docs"
         server = [p for p in psutil.process_iter(["username", "cmdline"])
                   if p.info["username"] == name and "jupyterhub-singleuser" in " ".join(p.info["cmdline"] or [])]
         assert len(server) == 1, f"{name} should run one server of their own: {server}"
@@ -243,7 +244,7 @@ def test_a_killed_run_frees_its_lease_within_a_second(hub):
 def test_the_start_tells_whether_students_can_read_the_solutions(hub):
     """Told, checked as a student: readable as the checkout ships; withheld once the group's ACL entry denies it."""
     from labsrc.core import class_server
-    solutions = class_server.ROOT / "solutions"
+    solutions = REPO / "solutions"
     assert any(line.startswith(f"solutions/: students can read {solutions}") for line in hub.told), hub.told
     subprocess.run(["setfacl", "-m", f"g:{hub.settings.group}:---", str(solutions)], check=True)
     try:

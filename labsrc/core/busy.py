@@ -20,11 +20,11 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from dataclasses import dataclass
 from typing import Sequence
 
-ROOT = Path(__file__).resolve().parents[2]
+from labsrc.core.paths import REPO
+
 QUIET_SPREAD = 0.5
 """Repeats whose middle 80% spans less than half the median: a quiet enough machine (idle here: 0.03-0.2)."""
 UNJUDGED_LOG_ENV = "LABSRC_UNJUDGED_LOG"
@@ -164,7 +164,7 @@ def probe(repeats: int = 7, work: int = 500_000, processes: int | None = None) -
         raise ValueError(f"probe runs 1 to {cores} (the usable cores) processes at once, got {processes}")
     code = _PEER.format(repeats=repeats, work=work)
     peers = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                              env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
                                    os.environ.get("PYTHONPATH", "")]))}) for _ in range(processes - 1)]
     try:
         for peer in peers:

@@ -16,11 +16,12 @@ import sys
 from pathlib import Path
 
 from labsrc.core.class_accounts import read_roster
-from labsrc.core.class_settings import PROXY_COMMAND, ROOT, ClassSettings
+from labsrc.core.class_settings import PROXY_COMMAND, ClassSettings
+from labsrc.core.paths import REPO
 
 HUB_PORT_ENV = "LABSRC_CLASS_HUB_PORT"
 PROXY_API_PORT_ENV = "LABSRC_CLASS_PROXY_API_PORT"
-NOTEBOOKS = ROOT / "notebooks"
+NOTEBOOKS = REPO / "notebooks"
 LINKED = ("docs", "cluster")  # what the notebooks' links reach (../docs/...), read-only from the checkout
 CULLER_SCOPES = ["list:users", "read:users:activity", "read:servers", "delete:servers"]
 # nbgrader's instructor tools (the formgrader, "Create Assignment", the course list) hidden from students, whose
@@ -50,7 +51,7 @@ def copy_notebooks(name: str, course_folder: str, exchange: Path | None = None) 
     arguments = json.dumps([entry.pw_dir, course_folder, None if exchange is None else str(exchange)])
     done = subprocess.run([sys.executable, "-c", _AS_STUDENT, arguments], user=entry.pw_uid, group=entry.pw_gid,
                           extra_groups=[], cwd=entry.pw_dir, capture_output=True, text=True, timeout=120,
-                          env={"PYTHONPATH": str(ROOT), "HOME": entry.pw_dir, "PATH": os.defpath})
+                          env={"PYTHONPATH": str(REPO), "HOME": entry.pw_dir, "PATH": os.defpath})
     if done.returncode:
         raise RuntimeError(f"copying the course's notebooks into {entry.pw_dir} as {name} failed: "
                            f"{done.stderr.strip()[-2000:]}")
@@ -82,7 +83,7 @@ def _copy_notebooks(home: str, course_folder: str, exchange: Path | None) -> lis
     for name_linked in LINKED:
         link = course / name_linked
         if not link.is_symlink() and not link.exists():
-            link.symlink_to(ROOT / name_linked)
+            link.symlink_to(REPO / name_linked)
             made.append(link)
     jupyter = Path(home) / ".jupyter"
     for path, settings in ((jupyter / "jupyter_server_config.d" / "labsrc-student.json", STUDENT_SERVER_CONFIG),
@@ -116,7 +117,7 @@ def _merge_json(path: Path, settings: dict) -> list[Path]:
 
 def environment(settings: ClassSettings) -> dict:
     """What each student's server (and so each kernel and launch) sees beyond JupyterHub's own variables."""
-    env = {"PYTHONPATH": str(ROOT),
+    env = {"PYTHONPATH": str(REPO),
            "LABSRC_RUNS": lambda spawner: str(home_of(spawner.user.name) / settings.course_folder / "runs")}
     if settings.pooled:
         env["LABSRC_POOL_DIR"] = str(settings.pool_directory)
@@ -166,7 +167,7 @@ def configure(c, settings: ClassSettings) -> None:
     c.Spawner.default_url = "/lab/tree/notebooks/00_setup.ipynb"
     c.Spawner.args = ["--KernelSpecManager.allowed_kernelspecs=labsrc",
                       "--MappingKernelManager.default_kernel_name=labsrc",
-                      f"--LabApp.app_settings_dir={ROOT / 'jupyter' / 'settings'}", *settings.extra_server_args]
+                      f"--LabApp.app_settings_dir={REPO / 'jupyter' / 'settings'}", *settings.extra_server_args]
     c.Spawner.environment = environment(settings)
     c.Spawner.mem_limit = settings.mem_limit or None
     c.Spawner.start_timeout = c.Spawner.http_timeout = 120  # a busy server starts a JupyterLab slowly

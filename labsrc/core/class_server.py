@@ -22,11 +22,12 @@ import psutil
 
 from labsrc.core import class_accounts, class_settings, pool_setup
 from labsrc.core.class_hub import HUB_PORT_ENV, PROXY_API_PORT_ENV
-from labsrc.core.class_settings import PROXY_COMMAND, ROOT, ClassSettings
+from labsrc.core.class_settings import PROXY_COMMAND, ClassSettings
 from labsrc.core.launch_request import free_port
 from labsrc.core.leases import PoolError
+from labsrc.core.paths import REPO
 
-CONFIG = ROOT / "cluster" / "classroom" / "jupyterhub_config.py"
+CONFIG = REPO / "cluster" / "classroom" / "jupyterhub_config.py"
 SETTINGS_ENV = "LABSRC_CLASS_SETTINGS"
 START_TIMEOUT_S = 120
 
@@ -79,7 +80,7 @@ def memory_statement(settings: ClassSettings) -> str:
 
 def solutions_statement(settings: ClassSettings, student: str) -> str:
     """Whether the students can read the checkout's solutions/ (checked as one of them), and how to change it."""
-    solutions = ROOT / "solutions"
+    solutions = REPO / "solutions"
     if not solutions.is_dir():
         return f"solutions/: not in this checkout ({solutions}): students cannot read them (nor can the grader)."
     readable = subprocess.run(["runuser", "-u", student, "--", "test", "-r", str(solutions), "-a", "-x",
@@ -117,7 +118,7 @@ def prepare(settings: ClassSettings, echo=print, show_passwords: bool = True) ->
                      f"{len(pool.cores)} core(s) ({pool.cores_per_run if pool.cores else 0} per run).")
     else:
         echo("pool: none (gpus = cores = 0): students' launches do not lease, and may collide on GPUs.")
-    needed = [Path(sys.executable), ROOT] + [settings.pool_directory] * settings.pooled
+    needed = [Path(sys.executable), REPO] + [settings.pool_directory] * settings.pooled
     blocked = class_accounts.blocked_directories(needed, students[0].name)
     if blocked and not settings.grant_group_traverse:
         raise ClassServerError(
@@ -131,7 +132,7 @@ def prepare(settings: ClassSettings, echo=print, show_passwords: bool = True) ->
 
 
 def hub_command(settings: ClassSettings) -> tuple[list[str], dict]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **{SETTINGS_ENV: str(settings.source),
+    env = dict(os.environ, PYTHONPATH=str(REPO), **{SETTINGS_ENV: str(settings.source),
                                                     HUB_PORT_ENV: str(free_port()),
                                                     PROXY_API_PORT_ENV: str(free_port())})
     return [sys.executable, "-m", "jupyterhub", "-f", str(CONFIG)], env
@@ -216,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m labsrc.core.class_server", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["start", "run", "stop", "remove-students"])
     parser.add_argument("--settings", default=os.environ.get(SETTINGS_ENV), help="default: " + str(
-        class_settings.DEFAULT_FILE.relative_to(ROOT)))
+        class_settings.DEFAULT_FILE.relative_to(REPO)))
     options = parser.parse_args(argv)
     try:
         settings = class_settings.load(options.settings)

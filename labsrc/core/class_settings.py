@@ -6,9 +6,10 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_FILE = ROOT / "cluster" / "classroom" / "classroom.toml"
-PROXY_DIR = ROOT / ".classroom" / "proxy"
+from labsrc.core.paths import REPO
+
+DEFAULT_FILE = REPO / "cluster" / "classroom" / "classroom.toml"
+PROXY_DIR = REPO / ".classroom" / "proxy"
 PROXY_COMMAND = PROXY_DIR / "node_modules" / ".bin" / "configurable-http-proxy"
 
 
@@ -103,7 +104,7 @@ def load(path=None) -> ClassSettings:
         _check_type(path, name, value, known[name].default)
         if name in _PATHS:
             value = Path(value) if value else None
-            value = value if value is None or value.is_absolute() else ROOT / value
+            value = value if value is None or value.is_absolute() else REPO / value
         elif name in ("instructors", "extra_server_args"):
             value = tuple(value)
         values[name] = value

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from labsrc.core.network_holder import (HOLDER_ENV, HOLDER_MODULE, INTERFACE, end_stale_leftovers, node_address,
                                          read_answer)
+from labsrc.core.paths import REPO
 from labsrc.core.world import RequestError
 
 SWITCH_ENV = "LABSRC_EMULATED_NODES"  # "off": behave as if emulated nodes were unavailable
@@ -163,7 +164,7 @@ class Network:
                    "--rate", str(link.rate_bits_per_s), "--delay-us", str(round(link.latency_s * 1e6 / 2)),
                    "--parent", str(os.getpid())]
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
-            os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), os.environ.get("PYTHONPATH")])))
+            str(REPO), os.environ.get("PYTHONPATH")])))
         self.holder = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
                                        preexec_fn=die_with_parent)

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from labsrc.core.feedback import Feedback
 from labsrc.core.forked import RankError, run_ranks
+from labsrc.core.paths import REPO
 
 
 class ExerciseFailed(Feedback, AssertionError):
@@ -42,7 +43,7 @@ def on_ranks(check_rank: Callable[..., str | None], world_size: int, args: tuple
 
 
 def solutions_root() -> Path:
-    return Path(__file__).resolve().parents[2] / "solutions"
+    return REPO / "solutions"
 
 
 def load_solution(lesson: str, name: str) -> Callable:

@@ -20,6 +20,7 @@ from labsrc.core.launch_request import (Nodes, Target, check_args, check_number,
                                         free_port, lab_options_argv, parse_nodes, resolve_target)
 from labsrc.core.launch_result import (LOG_FILE, LaunchError, LaunchInterrupted, LaunchTimeout, RankFailed, RunResult,
                                        failure, timeout_advice)
+from labsrc.core.paths import REPO
 from labsrc.core.processes import RUN_ID_ENV, end_run, processes_of_run, terminate_with_parent
 from labsrc.core.progress import in_notebook, make_progress
 from labsrc.core.rank_output import OUTPUT_FILE, LineTail
@@ -64,7 +65,7 @@ def child_environment(ranks: int, run_dir: Path, run_id: str, backend: str | Non
         "OMP_NUM_THREADS": str(max(1, cores // ranks)),  # ranks share the cores instead of fighting
         runs.RUN_DIR_ENV: str(run_dir),
         RUN_ID_ENV: run_id,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[2]),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
                                                     env.get("PYTHONPATH")])),
     })
     if own_store:

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import nbformat
 
-ROOT = Path(__file__).resolve().parents[2]
+from labsrc.core.paths import REPO
+
 NOTEBOOK_GLOBS = ("notebooks/*.ipynb", "appendix/*.ipynb")
 
 # The kernel `make setup` installs (Makefile: ipykernel install --name labsrc), and the TensorFlow appendix's own.
@@ -70,7 +71,7 @@ def normalize(text: str, kernel: dict = COURSE_KERNEL, python_version: str = COU
     return save_bytes(notebook)
 
 
-def course_notebooks(root: Path = ROOT) -> list[Path]:
+def course_notebooks(root: Path = REPO) -> list[Path]:
     """Every committed notebook of the course: the numbered ones and the appendix."""
     return sorted(path for pattern in NOTEBOOK_GLOBS for path in root.glob(pattern))
 

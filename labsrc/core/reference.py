@@ -4,9 +4,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from labsrc.core.paths import REPO
+
 
 def results_root() -> Path:
-    return Path(__file__).resolve().parents[2] / "results"
+    return REPO / "results"
 
 
 def load_reference(name: str) -> list[dict]:

@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import ClassVar
 
+from labsrc.core.paths import REPO
+
 RUN_DIR_ENV = "LABSRC_RUN_DIR"
 RUNS_ROOT_ENV = "LABSRC_RUNS"
 ERROR_RECORDED = "labsrc_error_recorded"  # set on an exception once rank<r>.error.json holds it
@@ -19,7 +21,7 @@ def runs_root() -> Path:
     """Where runs are kept: $LABSRC_RUNS, else runs/ at the top of the course checkout."""
     if os.environ.get(RUNS_ROOT_ENV):
         return Path(os.environ[RUNS_ROOT_ENV])
-    return Path(__file__).resolve().parents[2] / "runs"
+    return REPO / "runs"
 
 
 def new_run_dir(lab: str, root: Path | None = None) -> Path:

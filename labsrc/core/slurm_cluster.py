@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labsrc.core.network_holder import node_address, read_answer
+from labsrc.core.paths import REPO
 from labsrc.core.slurm_holder import HEAD, HOLDER_MODULE, READY_TIMEOUT_S, node_name
 from labsrc.core.world import RequestError
 
@@ -170,7 +171,7 @@ class SlurmCluster:
         me = psutil.Process()
         (self.folder / OWNER_FILE).write_text(json.dumps({"pid": me.pid, "created": me.create_time()}))
         write_config(self.folder, nodes, slurmd_timeout)
-        root = str(Path(__file__).resolve().parents[2])
+        root = str(REPO)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
         self.holder = subprocess.Popen(
             ["unshare", "--pid", "--kill-child", "--mount-proc", "--", sys.executable, "-m", HOLDER_MODULE,

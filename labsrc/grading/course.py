@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labsrc.core.class_accounts import AccountError, read_roster as read_accounts
+from labsrc.core.paths import REPO
 
-REPO = Path(__file__).resolve().parents[2]
 DEFAULT_EXCHANGE = Path("/srv/nbgrader/exchange")  # nbgrader's own default
 CELL_TIMEOUT_S = 300  # the grader's limit on one cell: a checker forks its ranks in seconds; a hang fails the cell
 STEP_TIMEOUT_S = 3600  # one nbgrader command (autograding a class of 30: a few seconds per sheet)

@@ -8,6 +8,8 @@ from typing import Iterator
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
+from labsrc.core.paths import REPO
+
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
 
@@ -40,7 +42,7 @@ def random_noise(num_samples: int, image_size: int = 32, num_classes: int = 10, 
 
 def data_root() -> Path:
     """Where on-disk datasets are looked for: $LABSRC_DATA, else data/ at the top of the checkout."""
-    return Path(os.environ.get("LABSRC_DATA") or Path(__file__).resolve().parents[2] / "data")
+    return Path(os.environ.get("LABSRC_DATA") or REPO / "data")
 
 
 def cifar10_transform(train: bool):
