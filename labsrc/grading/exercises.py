@@ -2,19 +2,20 @@
 
 A lesson's checker cells call `check_<name>(<function> if written else load_solution("<lesson>", "<solution>"))`
 (or bind that choice to a name first and pass the name). Each such call is one graded exercise; the function it
-checks is defined, as a stub that raises NotImplementedError, in an earlier code cell (the answer cell).
+checks is defined, as a stub that raises NotImplementedError, in an earlier code cell (the answer cell). Where the
+checkers live is read from the notebook's own import of them (`from labsrc.lessons.<lesson>.exercises import
+check_<name>`), so a sheet imports them from where the lesson does.
 """
 from __future__ import annotations
 
 import ast
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
 import nbformat
 
 from labsrc.core.exercises import solutions_root
-
-CHECKERS = Path(__file__).resolve().parents[1] / "exercises"
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class Answer:
 @dataclass(frozen=True)
 class Exercise:
     """One checker call: one graded exercise, worth `points` (a checker passes or names the first mistake)."""
-    checker: str                 # e.g. "check_mean_over_ranks", defined in labsrc/exercises/<lesson>.py
+    checker: str                 # e.g. "check_mean_over_ranks", defined in the lesson's exercises.py
     answers: tuple[Answer, ...]  # the functions passed to it, in order
     answer_cells: tuple[int, ...]  # notebook cell indices of the stubs, in order, without repeats
     points: int = 1
@@ -41,9 +42,14 @@ class Exercise:
 class Lesson:
     """A lesson notebook's graded exercises."""
     name: str                    # "06_performance_scaling": the assignment's name
-    module: str                  # "performance_scaling": labsrc/exercises/<module>.py and solutions/<module>.py
+    module: str                  # "performance_scaling": the solutions' module, solutions/<module>.py
     notebook: Path
     exercises: tuple[Exercise, ...]
+    checkers: str                # "labsrc.lessons.performance_scaling.exercises": where the notebook imports them
+
+    @property
+    def checkers_file(self) -> Path:
+        return module_file(self.checkers)
 
 
 def _solution_choice(node: ast.AST, bound: dict[str, ast.AST]) -> tuple[str, str, str] | None:
@@ -59,8 +65,10 @@ def _solution_choice(node: ast.AST, bound: dict[str, ast.AST]) -> tuple[str, str
     return node.body.id, call.args[0].value, call.args[1].value
 
 
-def _checker_calls(source: str) -> list[tuple[str, list[tuple[str, str, str]]]]:
-    """Every `check_x(...)` call in a cell whose arguments all choose between the learner's function and a solution."""
+def _checker_calls(source: str) -> list[tuple[str, str, list[tuple[str, str, str]]]]:
+    """(checker, the name it is called through, choices) for every `check_x(...)` call in a cell whose arguments all
+    choose between the learner's function and a solution: `check_x(...)` is called through "check_x",
+    `checks.check_x(...)` through "checks"."""
     try:
         tree = ast.parse(source)
     except SyntaxError:  # a cell with IPython magics: not an exercise cell
@@ -71,13 +79,48 @@ def _checker_calls(source: str) -> list[tuple[str, list[tuple[str, str, str]]]]:
     for node in ast.walk(tree):
         if not isinstance(node, ast.Call):
             continue
-        name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+        if isinstance(node.func, ast.Name):
+            name = through = node.func.id
+        elif isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Name):
+            name, through = node.func.attr, node.func.value.id
+        else:
+            continue
         if not name.startswith("check_") or not node.args:
             continue
         choices = [_solution_choice(arg, bound) for arg in node.args]
         if all(choices):
-            calls.append((name, choices))
+            calls.append((name, through, choices))
     return calls
+
+
+def imported_names(sources: list[str]) -> dict[str, str]:
+    """{local name: the dotted name it was imported as} over a notebook's code cells (`from a.b import c as d`:
+    d -> a.b.c)."""
+    names = {}
+    for source in sources:
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names.update({alias.asname or alias.name: f"{node.module}.{alias.name}" for alias in node.names})
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    top = alias.name.split(".")[0]
+                    names[alias.asname or top] = alias.name if alias.asname else top
+    return names
+
+
+def module_file(module: str) -> Path:
+    """The source file of a dotted module, found without importing it (its packages are imported)."""
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        raise ValueError(f"no module {module} to import checkers from")
+    return Path(spec.origin)
 
 
 def defined_functions(source: str) -> set[str]:
@@ -95,11 +138,15 @@ def top_level_names(path: Path) -> set[str]:
 def read_lesson(notebook: Path) -> Lesson:
     """The graded exercises of one lesson notebook; ValueError says why a notebook has none that can be graded."""
     cells = nbformat.read(notebook, as_version=4).cells
-    exercises, modules = [], set()
+    imported = imported_names([cell.source for cell in cells if cell.cell_type == "code"])
+    exercises, modules, checker_modules = [], set(), set()
     for index, cell in enumerate(cells):
         if cell.cell_type != "code":
             continue
-        for checker, choices in _checker_calls(cell.source):
+        for checker, through, choices in _checker_calls(cell.source):
+            if through not in imported:
+                raise ValueError(f"{notebook.name}: {checker} is called through {through!r}, which no cell imports")
+            checker_modules.add(imported[through].rsplit(".", 1)[0] if through == checker else imported[through])
             answers, answer_cells = [], []
             for function, module, solution in choices:
                 stubs = [i for i in range(index, -1, -1)
@@ -116,14 +163,17 @@ def read_lesson(notebook: Path) -> Lesson:
                          "load_solution(lesson, name)): nothing to grade")
     if len(modules) != 1:
         raise ValueError(f"{notebook.name}: exercises from several solution modules {sorted(modules)}")
-    module = modules.pop()
-    _check_sources(notebook, module, exercises)
-    return Lesson(notebook.stem, module, notebook, tuple(exercises))
+    if len(checker_modules) != 1:
+        raise ValueError(f"{notebook.name}: checkers imported from several modules {sorted(checker_modules)}")
+    lesson = Lesson(notebook.stem, modules.pop(), notebook, tuple(exercises), checker_modules.pop())
+    _check_sources(lesson)
+    return lesson
 
 
-def _check_sources(notebook: Path, module: str, exercises: list[Exercise]) -> None:
+def _check_sources(lesson: Lesson) -> None:
     """Every checker and every solution exists where the sheet will import it from."""
-    checkers, solutions = CHECKERS / f"{module}.py", solutions_root() / f"{module}.py"
+    notebook, exercises = lesson.notebook, lesson.exercises
+    checkers, solutions = lesson.checkers_file, solutions_root() / f"{lesson.module}.py"
     for path in (checkers, solutions):
         if not path.exists():
             raise ValueError(f"{notebook.name}: {path} is missing")

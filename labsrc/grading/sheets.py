@@ -16,7 +16,7 @@ from pathlib import Path
 import nbformat
 
 from labsrc.core.exercises import solutions_root
-from labsrc.grading.exercises import CHECKERS, Exercise, Lesson
+from labsrc.grading.exercises import Exercise, Lesson
 
 SCHEMA_VERSION = 3  # nbgrader's cell metadata schema (nbgrader 0.9)
 HIDDEN_IMPORTS = {"load_solution"}  # names an answer cell must not hand the student
@@ -150,7 +150,7 @@ def _task_text(cells, answer_cell: int, names: list[str], used: set[int]) -> lis
 
 def _checked(lesson: Lesson, exercise: Exercise) -> str:
     """What the checker checks, from its docstring."""
-    tree = ast.parse((CHECKERS / f"{lesson.module}.py").read_text())
+    tree = ast.parse(lesson.checkers_file.read_text())
     checker = next(node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name == exercise.checker)
     said = " ".join((ast.get_docstring(checker) or "").split())
     if len(exercise.answers) == 1 and checker.args.args:  # the checker's name for the function -> the student's
@@ -183,7 +183,7 @@ def build_sheet(lesson: Lesson) -> nbformat.NotebookNode:
     stubs = "\n".join(cells[index].source for exercise in lesson.exercises for index in exercise.answer_cells)
     setup = "\n".join(["# the names the exercises use, and the checkers that grade them (read-only)",
                        *dict.fromkeys([*solutions.preamble(), *lesson_imports_named_in(cells, stubs)]), "",
-                       f"from labsrc.exercises.{lesson.module} import {', '.join(checkers)}"])
+                       f"from {lesson.checkers} import {', '.join(checkers)}"])
     sheet = [_nbgrader(nbformat.v4.new_markdown_cell(_intro(lesson, title)), "intro", locked=True),
              _nbgrader(nbformat.v4.new_code_cell(setup), "setup", locked=True)]
     used: set[int] = set()
