@@ -2,20 +2,33 @@
 from __future__ import annotations
 
 import importlib.util
-import pkgutil
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
+from labsrc.core.paths import LESSONS
 from labsrc.core.world import RequestError
 
-LABS_PACKAGE = "labsrc.labs"
+LESSONS_PACKAGE = "labsrc.lessons"
+LAB_FILE = "lab"
+"""A lesson's torchrun entry, lessons/<lesson>/lab.py, is the lab <lesson>; a second one, lab_<name>.py, the lab <name>."""
 
 
-def course_labs() -> list[str]:
-    """The course's lab names: the modules in labsrc/labs."""
-    labs_dir = Path(__file__).resolve().parents[1] / "labs"
-    return sorted(m.name for m in pkgutil.iter_modules([str(labs_dir)]) if not m.name.startswith("_"))
+def course_labs() -> dict[str, str]:
+    """The course's labs, found by folder: {lab name: module}, from every labsrc/lessons/<lesson>/lab*.py."""
+    labs = {}
+    for entry in sorted((LESSONS.parent / "labs").glob("[!_]*.py")):  # TRANSITIONAL: labs not yet in a lesson folder
+        labs[entry.stem] = f"labsrc.labs.{entry.stem}"
+    for lesson in sorted(path for path in LESSONS.glob("*") if (path / "__init__.py").is_file()):
+        for entry in sorted(lesson.glob(f"{LAB_FILE}*.py")):
+            if entry.stem == LAB_FILE:
+                name = lesson.name
+            elif entry.stem.startswith(LAB_FILE + "_"):
+                name = entry.stem.removeprefix(LAB_FILE + "_")
+            else:
+                continue
+            labs[name] = f"{LESSONS_PACKAGE}.{lesson.name}.{entry.stem}"
+    return dict(sorted(labs.items()))
 
 
 @dataclass(frozen=True)
@@ -55,9 +68,10 @@ def resolve_target(name) -> Target:
         return Target("script", path.stem, str(path.resolve()))
     labs = course_labs()
     if text in labs:
-        return Target("lab", text, f"{LABS_PACKAGE}.{text}")
-    if text.startswith(LABS_PACKAGE + ".") and text.rsplit(".", 1)[-1] in labs:
-        return Target("lab", text.rsplit(".", 1)[-1], text)
+        return Target("lab", text, labs[text])
+    by_module = {module: name for name, module in labs.items()}
+    if text in by_module:
+        return Target("lab", by_module[text], text)
     if _module_exists(text):
         return Target("module", text.rsplit(".", 1)[-1], text)
     raise RequestError(
