@@ -4,7 +4,7 @@ from __future__ import annotations
 from labsrc.across_nodes import Topology
 from labsrc.across_nodes_model import (MODELS, judge, lesson06_time_s, link_payload_bytes, relative_error,
                                        scheme_time_s, step_messages, Layers)
-from labsrc.alpha_beta import AlphaBeta
+from labsrc.techniques.alpha_beta import AlphaBeta
 
 
 def topology(result) -> Topology:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labsrc import alpha_beta
-from labsrc.alpha_beta import AlphaBeta
 from labsrc.across_nodes import Topology
 from labsrc.model_tensor_parallel_cost import data_parallel_messages, tensor_parallel_messages
 from labsrc.performance_scaling import ring_time_s
+from labsrc.techniques import alpha_beta
+from labsrc.techniques.alpha_beta import AlphaBeta
 
 MODEL_TOLERANCE = 0.25
 """A prediction is judged right when it is within 25% of the measured time (the issue's target)."""

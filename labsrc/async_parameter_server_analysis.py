@@ -6,7 +6,7 @@ from collections import Counter
 import torch
 
 from labsrc.async_parameter_server import (GRADIENT_HEADER, Problem, batch_rows, gradient, initial_parameters)
-from labsrc.collectives import ring_bytes_sent
+from labsrc.techniques.collectives import ring_bytes_sent
 
 
 def replay(data, problem: Problem, mode: str, lr: float, workers: int, updates: list) -> torch.Tensor:

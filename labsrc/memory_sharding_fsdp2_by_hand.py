@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labsrc.collectives import all_gather
 from labsrc.memory_sharding_zero import Traffic, all_reduce_counted, flatten, reduce_scatter_counted, unflatten_into
+from labsrc.techniques.collectives import all_gather
 
 
 class ShardedParameter:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from labsrc.collectives import all_gather, reduce_scatter
+from labsrc.techniques.collectives import all_gather, reduce_scatter
 
 
 @dataclass

@@ -14,8 +14,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from labsrc import alpha_beta
 from labsrc import model_tensor_parallel as tp
+from labsrc.techniques import alpha_beta
 
 NVLINK_H100 = alpha_beta.AlphaBeta(alpha_s=5e-6, beta_s_per_byte=1 / 450e9, r2=float("nan"))
 """Assumed link: 450 GB/s one way (NVIDIA H100 SXM datasheet: 900 GB/s NVLink per GPU); 5 us latency assumed."""

@@ -7,7 +7,7 @@ import statistics
 
 import torch
 
-from labsrc.alpha_beta import AlphaBeta, ring_allreduce_time_s
+from labsrc.techniques.alpha_beta import AlphaBeta, ring_allreduce_time_s
 from labsrc.training.loop import step
 from labsrc.training.timing import timed
 

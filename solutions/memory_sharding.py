@@ -1,8 +1,8 @@
 """Reference solutions of notebook 09's exercises (the segments for checkpointing; ZeRO-1's step)."""
 import torch
 
-from labsrc.collectives import all_gather, reduce_scatter
 from labsrc.memory_sharding_zero import flatten, unflatten_into
+from labsrc.techniques.collectives import all_gather, reduce_scatter
 
 
 def choose_segments(depth):

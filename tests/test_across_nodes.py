@@ -5,11 +5,11 @@ check), each parallelism's bytes per step, local SGD; the lab on one host and on
 import pytest
 
 from labsrc import across_nodes, across_nodes_analysis, across_nodes_model as model, across_nodes_training
-from labsrc.alpha_beta import AlphaBeta, ring_allreduce_time_s
 from labsrc.async_parameter_server import Problem
 from labsrc.core.forked import run_ranks
 from labsrc.core.world import RequestError
 from labsrc.labs import across_nodes as lab
+from labsrc.techniques.alpha_beta import AlphaBeta, ring_allreduce_time_s
 
 LAYOUTS = [(2, 2), (4, 1), (1, 2), (2, 3), (3, 2)]
 

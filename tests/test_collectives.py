@@ -5,11 +5,11 @@ import time
 import pytest
 import torch
 
-from labsrc import alpha_beta, collectives
 from labsrc.core import runs
+from labsrc.core.forked import RankError, run_ranks
 from labsrc.core.world import RequestError
 from labsrc.labs import collectives as collectives_lab
-from labsrc.core.forked import RankError, run_ranks
+from labsrc.techniques import alpha_beta, collectives
 
 
 def _sizes(world_size):

@@ -5,10 +5,10 @@ import pytest
 import torch
 from torch.distributed import all_reduce as all_reduce_bound_early  # a name the byte counter cannot rewrap
 
-from labsrc.collectives import all_gather, reduce_scatter
 from labsrc.core.exercises import ExerciseFailed, load_solution
 from labsrc.exercises import memory_sharding as checkers
 from labsrc.memory_sharding_zero import flatten, unflatten_into
+from labsrc.techniques.collectives import all_gather, reduce_scatter
 
 
 def test_choose_segments_solution_passes(capsys):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from labsrc import performance_scaling
-from labsrc.alpha_beta import AlphaBeta, fit, ring_allreduce_time_s
+from labsrc.techniques.alpha_beta import AlphaBeta, fit, ring_allreduce_time_s
 
 
 def test_strong_and_weak_scaling():

@@ -14,8 +14,8 @@ import torch.distributed as dist
 
 from labsrc.across_nodes import Topology, make_groups, rank_values, watching
 from labsrc.across_nodes_model import predicted_speedup
-from labsrc.alpha_beta import AlphaBeta
 from labsrc.core.exercises import ExerciseFailed, on_ranks, passed
+from labsrc.techniques.alpha_beta import AlphaBeta
 
 TOPOLOGIES = ((2, 2), (3, 2), (2, 3))
 """(nodes, ranks per node): 3 ranks per node make sizes the node does not divide; 3 nodes, an across ring of 3."""

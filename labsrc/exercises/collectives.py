@@ -9,9 +9,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from labsrc import alpha_beta
-from labsrc.collectives import rank_values
 from labsrc.core.exercises import ExerciseFailed, on_ranks, passed
+from labsrc.techniques import alpha_beta
+from labsrc.techniques.collectives import rank_values
 
 WORLD_SIZES = (2, 3, 4)
 """On 2 ranks left and right are the same rank, so a ring turned backwards only shows on 3 or more."""
@@ -197,7 +197,7 @@ PREDICTION_HINTS = {
 def check_predict_time(predict_time: Callable) -> None:
     """predict_time(alpha, beta, nbytes, n) -> seconds of a ring all-reduce over per-message links.
 
-    Compared with labsrc.alpha_beta.ring_allreduce_time_s, relative tolerance 1e-6 (floating point only).
+    Compared with labsrc.techniques.alpha_beta.ring_allreduce_time_s, relative tolerance 1e-6 (floating point only).
     """
     for alpha, beta, nbytes, n in PREDICTION_CASES:
         expected = alpha_beta.ring_allreduce_time_s(nbytes, n, alpha_beta.AlphaBeta(alpha, beta, 1.0))

@@ -5,8 +5,8 @@ import math
 from typing import Callable
 
 from labsrc import performance_scaling
-from labsrc.alpha_beta import AlphaBeta, ring_allreduce_time_s
 from labsrc.core.exercises import ExerciseFailed, passed
+from labsrc.techniques.alpha_beta import AlphaBeta, ring_allreduce_time_s
 
 LINKS = (AlphaBeta(5e-6, 1 / 50e9, float("nan")), AlphaBeta(2e-6, 1 / 450e9, float("nan")))
 STEP_CASES = ((0.010, 44.7e6), (0.002, 1e6), (0.050, 4e8), (0.001, 4e8))  # (compute s, gradient bytes)

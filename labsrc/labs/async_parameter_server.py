@@ -16,11 +16,11 @@ import torch.distributed as dist
 from labsrc import async_parameter_server as ps
 from labsrc import async_parameter_server_analysis as analysis
 from labsrc import async_parameter_server_local_sgd as local
-from labsrc.collectives import ring_bytes_sent
 from labsrc.core.lab import run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
+from labsrc.techniques.collectives import ring_bytes_sent
 
 
 @dataclass

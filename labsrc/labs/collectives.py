@@ -11,11 +11,11 @@ import statistics
 from dataclasses import dataclass
 from typing import ClassVar
 
-from labsrc import alpha_beta, collectives
 from labsrc.core.lab import resolve_profile, run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
+from labsrc.techniques import alpha_beta, collectives
 
 
 @dataclass

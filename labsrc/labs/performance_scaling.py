@@ -13,11 +13,12 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import alpha_beta, collectives, performance_scaling
+from labsrc import performance_scaling
 from labsrc.core.lab import resolve_profile, run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RankContext, RequestError
+from labsrc.techniques import alpha_beta, collectives
 from labsrc.training import data
 from labsrc.training.models import build_model
 

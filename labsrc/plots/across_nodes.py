@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from labsrc import across_nodes_analysis as analysis
-from labsrc.alpha_beta import AlphaBeta, ring_allreduce_time_s
 from labsrc.plots import new_axes
+from labsrc.techniques.alpha_beta import AlphaBeta, ring_allreduce_time_s
 
 
 def _where(result) -> str:

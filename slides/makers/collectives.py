@@ -9,7 +9,7 @@ RANKS = 3
 def ring_states(world_size: int) -> list[tuple[str, list[list[frozenset]], list[int]]]:
     """(title, held[rank][chunk] = ranks summed in, chunk each rank sends) before each step, then at the end.
 
-    The schedule of labsrc.collectives.ring_all_reduce: reduce-scatter step s, rank r sends chunk (r - s)
+    The schedule of labsrc.techniques.collectives.ring_all_reduce: reduce-scatter step s, rank r sends chunk (r - s)
     and adds the one it receives; all-gather step s, rank r passes on chunk (r + 1 - s).
     """
     held = [[frozenset({rank}) for _ in range(world_size)] for rank in range(world_size)]

@@ -104,7 +104,7 @@ def fit_sweep(timings: dict, statistic=min) -> dict[str, AlphaBeta]:
     """{algorithm: AlphaBeta} fitted on statistic(repeats) of each point of a sweep.
 
     timings: {(algorithm, size in float32 elements): {"seconds": [per-call seconds of each repeat], ...}},
-    as labsrc.collectives.sweep returns it.
+    as labsrc.techniques.collectives.sweep returns it.
     """
     points: dict[str, list] = {}
     for (name, size), timing in timings.items():
