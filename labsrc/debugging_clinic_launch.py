@@ -28,7 +28,7 @@ def busy_port():
 def torchrun_on_port(port: int, timeout_s: float = 60.0) -> dict:
     """Plain torchrun (static rendezvous, one rank of lab `setup`) told to use `port`: its exit code and stderr tail."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=1", "--nnodes=1",
-               "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "labsrc.labs.setup"]
+               "--master-addr=127.0.0.1", f"--master-port={port}", "-m", "labsrc.lessons.setup.lab"]
     started = time.perf_counter()
     finished = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s)
     lines = [line for line in finished.stderr.splitlines() if line.strip()]

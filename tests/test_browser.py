@@ -29,7 +29,7 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "-
 CELLS = [
     # 0: a launch, as 00_setup does
     "import functools\n\nfrom labsrc.core import launch\nfrom labsrc.core.widgets import rerun_controls\n"
-    "from labsrc.labs.setup import AllReduce\nfrom labsrc.plots import bars\n\n"
+    "from labsrc.lessons.setup.lab import AllReduce\nfrom labsrc.plots import bars\n\n"
     "result = launch.run('setup', nproc=2, timeout=120, hold_s=2)",
     # 1: a rerun panel whose show draws a figure (as 01, 03, 04 and 05 do) and whose fail_rank plants a crash
     "def show(run):\n"
@@ -38,7 +38,7 @@ CELLS = [
     "rerun_controls(functools.partial(launch.run, 'setup', timeout=120, hold_s=2), show=show,\n"
     "               nproc=([2, 3], 2), fail_rank=([-1, 0, 1], -1), fail_attempts=([0, 1], 0))",
     # 2: a wrong exercise answer, as a learner would write it
-    "from labsrc.exercises.setup import check_mean_over_ranks\n\n"
+    "from labsrc.lessons.setup.exercises import check_mean_over_ranks\n\n"
     "def mean_over_ranks(tensor):\n    return tensor.clone()  # forgot the all_reduce\n\n"
     "check_mean_over_ranks(mean_over_ranks)",
     # 3: a long launch, stopped with the kernel's interrupt (the toolbar's stop button)

@@ -5,7 +5,7 @@ import pytest
 import torch.distributed as dist
 
 from labsrc.core.exercises import ExerciseFailed, load_solution
-from labsrc.exercises import setup as checkers
+from labsrc.lessons.setup import exercises as checkers
 
 WAIT = datetime.timedelta(seconds=30)
 

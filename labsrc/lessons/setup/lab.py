@@ -1,7 +1,7 @@
 """Every rank contributes its rank id to one all_reduce; the sum must be 0+1+...+(n-1).
 
     python -m labsrc.launch --nproc 2 setup -- --hold-s 3
-    torchrun --nproc-per-node 2 -m labsrc.labs.setup
+    torchrun --nproc-per-node 2 -m labsrc.lessons.setup.lab
 Options to watch a run being stopped (hold_s), a rank crashing (fail_rank) and a restart (fail_attempts).
 """
 from __future__ import annotations
