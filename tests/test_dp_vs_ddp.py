@@ -6,10 +6,10 @@ import torch
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import dp_vs_ddp
+from labsrc.core.forked import run_ranks
+from labsrc.lessons.dp_vs_ddp import sync
 from labsrc.training.data import synthetic_images
 from labsrc.training.models import TinyCNN
-from labsrc.core.forked import run_ranks
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -23,20 +23,20 @@ def _batch(size=32, side=8):
 
 
 def _mine(ctx, tensor):
-    return dp_vs_ddp.shard(tensor, ctx.rank, ctx.world_size)
+    return sync.shard(tensor, ctx.rank, ctx.world_size)
 
 
 def _gradients_three_ways(ctx):
     torch.manual_seed(0)
     model = DDP(TinyCNN(batch_norm=False))
     images, labels = _batch()
-    reference = dp_vs_ddp.full_batch_gradients(model.module, images, labels)
+    reference = sync.full_batch_gradients(model.module, images, labels)
     F.cross_entropy(model(_mine(ctx, images)), _mine(ctx, labels)).backward()
     by_hand = copy.deepcopy(model.module)
     by_hand.zero_grad(set_to_none=True)
     F.cross_entropy(by_hand(_mine(ctx, images)), _mine(ctx, labels)).backward()
-    dp_vs_ddp.average_gradients(by_hand, ctx.world_size)
-    return reference, dp_vs_ddp.gradients(model), dp_vs_ddp.gradients(by_hand)
+    sync.average_gradients(by_hand, ctx.world_size)
+    return reference, sync.gradients(model), sync.gradients(by_hand)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -53,11 +53,11 @@ def _broadcast_then_train(ctx):
     model = TinyCNN(batch_norm=True)
     with torch.no_grad():
         model(torch.randn(4, 3, 8, 8))  # rank-dependent running statistics
-    spreads = {"parameters": dp_vs_ddp.spread_across_ranks(list(model.parameters())),
-               "buffers": dp_vs_ddp.spread_across_ranks(dp_vs_ddp.batch_norm_buffers(model))}
+    spreads = {"parameters": sync.spread_across_ranks(list(model.parameters())),
+               "buffers": sync.spread_across_ranks(sync.batch_norm_buffers(model))}
     model = DDP(model)
-    spreads["parameters after"] = dp_vs_ddp.spread_across_ranks(list(model.parameters()))
-    spreads["buffers after"] = dp_vs_ddp.spread_across_ranks(dp_vs_ddp.batch_norm_buffers(model.module))
+    spreads["parameters after"] = sync.spread_across_ranks(list(model.parameters()))
+    spreads["buffers after"] = sync.spread_across_ranks(sync.batch_norm_buffers(model.module))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     images, labels = _batch()
     steps = []
@@ -67,7 +67,7 @@ def _broadcast_then_train(ctx):
         optimizer.zero_grad()
         F.cross_entropy(model(images[index]), labels[index]).backward()
         optimizer.step()
-        steps.append(dp_vs_ddp.spread_across_ranks(list(model.parameters())))
+        steps.append(sync.spread_across_ranks(list(model.parameters())))
     return spreads, steps
 
 
@@ -81,13 +81,13 @@ def test_construction_broadcasts_parameters_and_buffers_and_parameters_stay_iden
 
 def _buffers(ctx, enabled):
     torch.manual_seed(0)
-    model = DDP(TinyCNN(), **dp_vs_ddp.buffer_sync_option(enabled))
+    model = DDP(TinyCNN(), **sync.buffer_sync_option(enabled))
     seen = []
-    model.module.register_forward_pre_hook(lambda m, a: seen.append([b.clone() for b in dp_vs_ddp.batch_norm_buffers(m)]))
+    model.module.register_forward_pre_hook(lambda m, a: seen.append([b.clone() for b in sync.batch_norm_buffers(m)]))
     images, _ = _batch()
     for _ in range(2):
         model(_mine(ctx, images)).sum().backward()
-    return dp_vs_ddp.spread_across_ranks(seen[-1])
+    return sync.spread_across_ranks(seen[-1])
 
 
 def test_buffer_sync_gives_every_forward_rank_zeros_buffers():
@@ -97,18 +97,18 @@ def test_buffer_sync_gives_every_forward_rank_zeros_buffers():
 
 def _global_batch_norm(ctx):
     images, labels = _batch()
-    mean, variance, count = dp_vs_ddp.global_batch_statistics(_mine(ctx, images))
+    mean, variance, count = sync.global_batch_statistics(_mine(ctx, images))
     torch.manual_seed(0)
     model = TinyCNN(batch_norm=True)
-    reference = dp_vs_ddp.full_batch_gradients(model, images, labels)
+    reference = sync.full_batch_gradients(model, images, labels)
     local = DDP(copy.deepcopy(model))
     F.cross_entropy(local(_mine(ctx, images)), _mine(ctx, labels)).backward()
-    synced = DDP(dp_vs_ddp.with_global_batch_norm(copy.deepcopy(model), ctx.device))
+    synced = DDP(sync.with_global_batch_norm(copy.deepcopy(model), ctx.device))
     F.cross_entropy(synced(_mine(ctx, images)), _mine(ctx, labels)).backward()
     layer = synced.module.features[1]
     return {"mean": mean, "variance": variance, "count": count.item(), "layer": type(layer).__name__,
             "running_mean": layer.running_mean.clone(), "running_var": layer.running_var.clone(),
-            "reference": reference, "local": dp_vs_ddp.gradients(local), "global": dp_vs_ddp.gradients(synced)}
+            "reference": reference, "local": sync.gradients(local), "global": sync.gradients(synced)}
 
 
 def test_global_batch_norm_gives_the_full_batch_statistics_and_gradient():
@@ -122,11 +122,11 @@ def test_global_batch_norm_gives_the_full_batch_statistics_and_gradient():
         assert result["running_mean"].shape == result["running_var"].shape == (channels,)
         for name, expected in result["reference"].items():
             torch.testing.assert_close(result["global"][name], expected, rtol=1e-4, atol=1e-6)
-        assert dp_vs_ddp.largest_gap(result["local"], result["reference"]) > 1e-4, "per-rank BN should differ"
+        assert sync.largest_gap(result["local"], result["reference"]) > 1e-4, "per-rank BN should differ"
 
 
 def _global_running_statistics(ctx):
-    layer = dp_vs_ddp.with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(3, momentum=0.5)), ctx.device)
+    layer = sync.with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(3, momentum=0.5)), ctx.device)
     images, _ = _batch()
     return layer(_mine(ctx, images)), layer[0].running_mean, layer[0].running_var
 
@@ -142,19 +142,19 @@ def test_global_batch_norm_output_and_running_statistics_equal_one_process_batch
 
 
 def test_global_batch_norm_alone_is_plain_batch_norm():
-    layer = dp_vs_ddp.with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(3)), torch.device("cpu"))
+    layer = sync.with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(3)), torch.device("cpu"))
     images, _ = _batch()
     torch.testing.assert_close(layer(images), torch.nn.BatchNorm2d(3)(images))
 
 
 def test_shard_refuses_a_batch_that_does_not_split_evenly():
     with pytest.raises(ValueError, match="does not split evenly"):
-        dp_vs_ddp.shard(torch.zeros(10), 0, 3)
+        sync.shard(torch.zeros(10), 0, 3)
 
 
 def test_dataparallel_shows_what_the_module_saw():
     images, labels = _batch(8)
-    report = dp_vs_ddp.dataparallel_step(TinyCNN(), images, labels, repeats=2)
+    report = sync.dataparallel_step(TinyCNN(), images, labels, repeats=2)
     assert sum(report["chunks"]) == 8
     assert report["chunks"] == [int(c.shape[0]) for c in images.chunk(max(1, report["gpus"]))]
     if report["gpus"] < 2:  # no scatter, no replicas: one call with the whole batch
@@ -166,19 +166,19 @@ def test_dataparallel_shows_what_the_module_saw():
 
 
 def test_dataparallel_arithmetic_sums_replica_gradients_without_dividing():
-    from labsrc.dp_vs_ddp_loss import replica_gradients_summed
+    from labsrc.lessons.dp_vs_ddp.loss_mean import replica_gradients_summed
     images, labels = _batch(12)
     torch.manual_seed(3)
     model = TinyCNN(batch_norm=False)
-    reference = dp_vs_ddp.full_batch_gradients(model, images, labels)
+    reference = sync.full_batch_gradients(model, images, labels)
     summed = replica_gradients_summed(model, images, labels, replicas=3)
-    assert dp_vs_ddp.largest_gap(summed, reference) <= 1e-6
+    assert sync.largest_gap(summed, reference) <= 1e-6
     divided = {name: g / 3 for name, g in summed.items()}  # what dividing by the replica count would give
-    assert dp_vs_ddp.largest_gap(divided, reference) > 1e-3
+    assert sync.largest_gap(divided, reference) > 1e-3
 
 
 def _denominators_and_noise(ctx):
-    from labsrc.dp_vs_ddp_loss import denominator_gaps, noise_steps
+    from labsrc.lessons.dp_vs_ddp.loss_mean import denominator_gaps, noise_steps
     noise = noise_steps(ctx, seed=0, steps=3, per_rank_batch=4, image_size=8, lr=0.1)
     return denominator_gaps(ctx, seed=0), list(noise)
 
@@ -197,8 +197,8 @@ def test_unequal_token_counts_break_the_mean_of_means_and_count_weighting_repair
 
 
 def test_losses_differ_every_step_names_the_steps_where_two_ranks_agree():
-    from labsrc.dp_vs_ddp_loss import losses_differ_every_step
-    from labsrc.labs.dp_vs_ddp import NoiseStep
+    from labsrc.lessons.dp_vs_ddp.loss_mean import losses_differ_every_step
+    from labsrc.lessons.dp_vs_ddp.lab import NoiseStep
     records = [NoiseStep(0, 1.0, 0.0, rank=0), NoiseStep(0, 2.0, 0.0, rank=1),
                NoiseStep(1, 1.5, 0.0, rank=0), NoiseStep(1, 1.5, 0.0, rank=1)]
     assert losses_differ_every_step(records) == [1]
@@ -208,7 +208,7 @@ def test_options_refuse_a_negative_batch_and_a_batch_that_does_not_split_over_th
     from labsrc.core.profiles import PROFILES
     from labsrc.core.world import RequestError
     from labsrc.core.plan import split_global_batch
-    from labsrc.labs.dp_vs_ddp import Options
+    from labsrc.lessons.dp_vs_ddp.lab import Options
     with pytest.raises(RequestError, match="global_batch"):
         Options.make(global_batch=-4)
     with pytest.raises(RequestError, match="choose a multiple of 3, e.g. 30 or 33"):
@@ -218,24 +218,24 @@ def test_options_refuse_a_negative_batch_and_a_batch_that_does_not_split_over_th
 
 
 def _step(variant, step, loss, rank):
-    from labsrc.labs.dp_vs_ddp import DdpStep
+    from labsrc.lessons.dp_vs_ddp.lab import DdpStep
     return DdpStep(variant, step, loss, 0.0, rank=rank)
 
 
 def test_curve_gaps_compare_the_rank_mean_with_one_process_per_variant():
-    from labsrc.labs.dp_vs_ddp import SingleStep
-    ddp = [_step(v.key, s, loss, rank) for v in dp_vs_ddp.VARIANTS for s in range(2)
+    from labsrc.lessons.dp_vs_ddp.lab import SingleStep
+    ddp = [_step(v.key, s, loss, rank) for v in sync.VARIANTS for s in range(2)
            for rank, loss in enumerate((1.0, 3.0 + v.global_statistics))]
     single = [SingleStep(norm, s, 2.0) for norm in (False, True) for s in range(2)]
-    assert dp_vs_ddp.curve_gaps(ddp, single) == {"plain": 0.0, "batch_norm_local": 0.0, "batch_norm_global": 0.5}
+    assert sync.curve_gaps(ddp, single) == {"plain": 0.0, "batch_norm_local": 0.0, "batch_norm_global": 0.5}
     with pytest.raises(ValueError, match="plain: 2 DDP steps but 1 single-process steps"):
-        dp_vs_ddp.curve_gaps(ddp, single[1:])
+        sync.curve_gaps(ddp, single[1:])
 
 
 @pytest.mark.slow
 def test_lab_records_every_experiment(tmp_path, monkeypatch):
     from labsrc.core import launch
-    from labsrc.labs.dp_vs_ddp import DdpStep, Denominators, Gradients, NoiseStep, SingleStep, StepTiming
+    from labsrc.lessons.dp_vs_ddp.lab import DdpStep, Denominators, Gradients, NoiseStep, SingleStep, StepTiming
     monkeypatch.setenv("LABSRC_RUNS", str(tmp_path))
     result = launch.run("dp_vs_ddp", nproc=2, timeout=180, profile="ci", global_batch=32)
     assert result.summary["global_batch"] == 32 and result.summary["per_rank_batch"] == 16
@@ -249,6 +249,6 @@ def test_lab_records_every_experiment(tmp_path, monkeypatch):
     noise = result.of(NoiseStep)
     assert len(noise) == 2 * steps and max(r.parameter_spread for r in noise) == 0.0
     assert {r.rank for r in result.of(Denominators)} == {0, 1}
-    gaps = dp_vs_ddp.curve_gaps(result.of(DdpStep), result.of(SingleStep))
+    gaps = sync.curve_gaps(result.of(DdpStep), result.of(SingleStep))
     assert gaps["plain"] < 1e-3 and gaps["batch_norm_global"] < 1e-3
     assert gaps["batch_norm_local"] > 10 * gaps["batch_norm_global"]

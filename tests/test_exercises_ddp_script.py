@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from labsrc.core.exercises import ExerciseFailed, solutions_root
-from labsrc.exercises import ddp_script as checker
-from labsrc.exercises.ddp_script_runs import failure_verdict
+from labsrc.lessons.dp_vs_ddp import script_exercises as checker
+from labsrc.lessons.dp_vs_ddp.script_runs import failure_verdict
 
 SOLUTION = solutions_root() / "ddp_script.py"
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from labsrc.core.exercises import ExerciseFailed, load_solution
-from labsrc.exercises import dp_vs_ddp as checkers
+from labsrc.lessons.dp_vs_ddp import exercises as checkers
 
 WAIT = datetime.timedelta(seconds=20)
 

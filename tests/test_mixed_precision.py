@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import dp_vs_ddp, mixed_precision, mixed_precision_ddp
+from labsrc import mixed_precision, mixed_precision_ddp
 from labsrc.core import runs
 from labsrc.core.forked import run_ranks
 from labsrc.core.launch import RunResult
@@ -13,6 +13,7 @@ from labsrc.core.profiles import PROFILES
 from labsrc.core.world import RequestError
 from labsrc.labs.mixed_precision import AmpStep, GradientBytes, ModeCost, Options, SkippedMode, micro_batch_size, \
     mixed_precision_lab, modes_for
+from labsrc.lessons.dp_vs_ddp import sync
 from labsrc.training.models import TinyCNN
 
 
@@ -182,7 +183,7 @@ def _amp_ddp_training(ctx, mode: str, steps: int = 6, micro_steps: int = 2):
     losses, spreads = [], []
     for _ in range(steps):
         losses.append(mixed_precision_ddp.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode).item())
-        spreads.append(dp_vs_ddp.spread_across_ranks(list(model.parameters())))
+        spreads.append(sync.spread_across_ranks(list(model.parameters())))
     return losses, spreads, scaler.get_scale() if scaler.is_enabled() else None
 
 

@@ -14,12 +14,13 @@ from typing import ClassVar
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import ddp_internals, dp_vs_ddp, handmade_ddp
+from labsrc import ddp_internals, handmade_ddp
 from labsrc.core.lab import resolve_profile, run_lab
 from labsrc.core.options import LabOptions, positive
+from labsrc.core.plan import split_global_batch
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
-from labsrc.core.plan import split_global_batch
+from labsrc.lessons.dp_vs_ddp import sync
 from labsrc.training.loop import step
 from labsrc.training.timing import timed
 
@@ -200,11 +201,11 @@ def equivalence(ctx, records, width: int, batch: int, steps: int = 3) -> None:
         calls = getattr(model, "allreduce_calls", None)
         records.write(Equivalence(
             version=name, label=VERSIONS[name], steps=steps,
-            params_vs_single_process=dp_vs_ddp.largest_gap(mine, reference),
-            params_vs_torch_ddp=dp_vs_ddp.largest_gap(mine, torch_ddp),
-            grads_vs_single_process=dp_vs_ddp.largest_gap(dp_vs_ddp.gradients(model), dp_vs_ddp.gradients(single)),
-            grads_vs_torch_ddp=dp_vs_ddp.largest_gap(dp_vs_ddp.gradients(model),
-                                                     dp_vs_ddp.gradients(models["torch_ddp"])),
+            params_vs_single_process=sync.largest_gap(mine, reference),
+            params_vs_torch_ddp=sync.largest_gap(mine, torch_ddp),
+            grads_vs_single_process=sync.largest_gap(sync.gradients(model), sync.gradients(single)),
+            grads_vs_torch_ddp=sync.largest_gap(sync.gradients(model),
+                                                     sync.gradients(models["torch_ddp"])),
             allreduce_calls_per_step=None if calls is None else calls // steps,
             parameters=len(mine), buckets=len(getattr(model, "buckets", [])) or None))
 
@@ -248,12 +249,12 @@ def accumulation(ctx, records, width: int, batch: int, micro_steps: int, bucket_
     step(model, None, *batches[0])  # let DDP rebuild its buckets first
     calls_wrong = ddp_internals.accumulate(model, batches, counter, forward_inside=False)
     calls = ddp_internals.accumulate(model, batches, counter, forward_inside=True)
-    accumulated = dp_vs_ddp.gradients(model)
+    accumulated = sync.gradients(model)
     large = copy.deepcopy(model)
     step(large, None, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
     records.write(NoSync(micro_steps=micro_steps, calls_per_micro_step=calls,
                          calls_with_forward_outside_no_sync=calls_wrong, buckets_per_step=counter.calls,
-                         vs_large_batch=dp_vs_ddp.largest_gap(accumulated, dp_vs_ddp.gradients(large))))
+                         vs_large_batch=sync.largest_gap(accumulated, sync.gradients(large))))
 
 
 def settings(ctx, records, width: int, batch: int) -> None:

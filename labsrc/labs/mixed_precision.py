@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import dp_vs_ddp, mixed_precision, mixed_precision_ddp
+from labsrc import mixed_precision, mixed_precision_ddp
 from labsrc.core.lab import resolve_profile, run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
+from labsrc.lessons.dp_vs_ddp import sync
 from labsrc.training import benchmark, data
 from labsrc.training.models import build_model
 
@@ -196,8 +197,8 @@ def amp_ddp_accumulation(ctx, records, profile, options: Options) -> str:
         scale = torch.tensor([scaler.get_scale() if scaler.is_enabled() else 1.0], device=ctx.device)
         records.write(AmpStep(step=step, loss=loss.item(), mean_loss=mean_over_ranks(loss, ctx), mode=mode,
                               micro_batch=micro_batch, scaler_enabled=scaler.is_enabled(), scale=scale.item(),
-                              scale_spread=dp_vs_ddp.spread_across_ranks([scale]),
-                              parameter_spread=dp_vs_ddp.spread_across_ranks(list(model.parameters())),
+                              scale_spread=sync.spread_across_ranks([scale]),
+                              parameter_spread=sync.spread_across_ranks(list(model.parameters())),
                               allreduce_syncs=syncs, allreduced_bytes=sent, gradient_bytes=gradient_bytes,
                               gradient_gap=mixed_precision_ddp.gradient_gap(model, reference)))
         records.progress(step + 1, steps, unit="steps")

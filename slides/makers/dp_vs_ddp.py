@@ -46,7 +46,7 @@ def sync_diagram():
 def make(save):
     from labsrc import launch
     from labsrc.core.plan import make_plan
-    from labsrc.plots import dp_vs_ddp as plots
+    from labsrc.lessons.dp_vs_ddp import plots
     plan = make_plan()
     result = launch.run("dp_vs_ddp", nproc=plan.world_size, timeout=600, global_batch=plan.global_batch)
     save("loss_curves", plots.loss_curves(result)[0].figure)

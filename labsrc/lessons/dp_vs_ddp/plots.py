@@ -1,8 +1,8 @@
-"""Figures of the sync experiment (notebook 01) from the dp_vs_ddp lab's records; numbers from labsrc.dp_vs_ddp."""
+"""Figures of the sync experiment (notebook 01) from the dp_vs_ddp lab's records; numbers from its sync module."""
 from __future__ import annotations
 
-from labsrc import dp_vs_ddp
-from labsrc.labs.dp_vs_ddp import Buffers, DdpStep, SingleStep, StepTiming
+from labsrc.lessons.dp_vs_ddp import sync
+from labsrc.lessons.dp_vs_ddp.lab import Buffers, DdpStep, SingleStep, StepTiming
 from labsrc.plots import bars, curves
 
 PHASE_LABELS = {"forward": "forward", "backward": "backward", "all_reduce": "all-reduce", "optimizer": "optimizer"}
@@ -14,16 +14,16 @@ def loss_curves(result, axes=None):
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=(11, 3.6))
     ddp_steps, single_steps = result.of(DdpStep), result.of(SingleStep, rank=0)
-    ddp = {v.key: dp_vs_ddp.mean_loss_per_step(r for r in ddp_steps if r.variant == v.key)
-           for v in dp_vs_ddp.VARIANTS}
-    single = {norm: dp_vs_ddp.mean_loss_per_step(r for r in single_steps if r.batch_norm == norm)
+    ddp = {v.key: sync.mean_loss_per_step(r for r in ddp_steps if r.variant == v.key)
+           for v in sync.VARIANTS}
+    single = {norm: sync.mean_loss_per_step(r for r in single_steps if r.batch_norm == norm)
               for norm in (False, True)}
     wide, dashed = {"linewidth": 4, "alpha": 0.4}, {"linestyle": "--", "marker": "."}
     alone = "one process, whole global batch"
     plain = {f"DDP, {result.nproc} ranks": ddp["plain"], alone: single[False]}
     curves(plain, "No BatchNorm: the same curve", "step", "training loss", ax=axes[0],
            styles=dict(zip(plain, [wide, dashed])))
-    normed = {f"DDP, {v.label}": ddp[v.key] for v in dp_vs_ddp.VARIANTS if v.batch_norm}
+    normed = {f"DDP, {v.label}": ddp[v.key] for v in sync.VARIANTS if v.batch_norm}
     normed[alone] = single[True]
     curves(normed, "BatchNorm: global statistics close the gap", "step", "training loss", ax=axes[1],
            styles=dict(zip(normed, [{"marker": "x"}, wide, dashed])))
@@ -35,7 +35,7 @@ def loss_curves(result, axes=None):
 
 def step_breakdown(result, ax=None):
     """A bar per phase of the timed DDP step (dp_vs_ddp.step_breakdown_ms)."""
-    phases = dp_vs_ddp.step_breakdown_ms(result.of(StepTiming))
+    phases = sync.step_breakdown_ms(result.of(StepTiming))
     title = f"DDP step of {result.summary['model']} on {result.nproc} ranks, median per phase"
     return bars({PHASE_LABELS[name]: ms for name, ms in phases.items()}, title, "ms", ax=ax)
 

@@ -2,7 +2,7 @@
 
     launch.run("dp_vs_ddp", nproc=2, global_batch=32)
     python -m labsrc.launch --nproc 2 dp_vs_ddp -- --global-batch 32
-    torchrun --nproc-per-node 2 -m labsrc.labs.dp_vs_ddp --profile ci
+    torchrun --nproc-per-node 2 -m labsrc.lessons.dp_vs_ddp.lab --profile ci
 """
 from __future__ import annotations
 
@@ -14,11 +14,11 @@ from typing import ClassVar
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import dp_vs_ddp, dp_vs_ddp_loss
 from labsrc.core.lab import resolve_profile, run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.plan import split_global_batch
 from labsrc.core.runs import Record
+from labsrc.lessons.dp_vs_ddp import loss_mean, sync
 from labsrc.training import data
 from labsrc.training.loop import step, tf32
 from labsrc.training.models import build_model
@@ -55,7 +55,7 @@ class Gradients(Record):
     KIND: ClassVar[str] = "gradients"
     ddp_vs_full_batch: float
     hand_vs_full_batch: float
-    """Gradients averaged by dp_vs_ddp.average_gradients instead of DDP."""
+    """Gradients averaged by sync.average_gradients instead of DDP."""
     local_vs_full_batch: float
     """This rank's own shard's gradient, not averaged."""
     spread_across_ranks: float
@@ -78,7 +78,7 @@ class NoiseStep(Record):
 
 @dataclass
 class Denominators(Record):
-    """A masked-mean token loss under DDP, ranks holding different token counts (dp_vs_ddp_loss.DenominatorGaps)."""
+    """A masked-mean token loss under DDP, ranks holding different token counts (loss_mean.DenominatorGaps)."""
 
     KIND: ClassVar[str] = "denominators"
     mean_of_means: float
@@ -116,7 +116,7 @@ class DdpStep(Record):
 
     KIND: ClassVar[str] = "ddp_step"
     variant: str
-    """A dp_vs_ddp.VARIANTS key."""
+    """A sync.VARIANTS key."""
     step: int
     loss: float
     parameter_spread: float
@@ -147,76 +147,76 @@ class StepTiming(Record):
 
 def construction_broadcast(ctx, records, seed: int) -> None:
     """Seed every rank differently, then wrap in DDP: rank 0's parameters and buffers win."""
-    model = dp_vs_ddp.seeded_model(ctx.device, seed + 1000 * ctx.rank, batch_norm=True)
+    model = sync.seeded_model(ctx.device, seed + 1000 * ctx.rank, batch_norm=True)
     with torch.no_grad():  # give the buffers rank-dependent values too (fresh ones are all 0 and 1)
         model(torch.randn(8, 3, 8, 8, device=ctx.device))
-    buffers = dp_vs_ddp.batch_norm_buffers(model)
-    parameters_before = dp_vs_ddp.spread_across_ranks(list(model.parameters()))
-    buffers_before = dp_vs_ddp.spread_across_ranks(buffers)
+    buffers = sync.batch_norm_buffers(model)
+    parameters_before = sync.spread_across_ranks(list(model.parameters()))
+    buffers_before = sync.spread_across_ranks(buffers)
     wrapped = DDP(model)
-    records.write(Broadcast(parameters_before, dp_vs_ddp.spread_across_ranks(list(wrapped.parameters())),
-                            buffers_before, dp_vs_ddp.spread_across_ranks(buffers)))
+    records.write(Broadcast(parameters_before, sync.spread_across_ranks(list(wrapped.parameters())),
+                            buffers_before, sync.spread_across_ranks(buffers)))
 
 
 def gradient_equivalence(ctx, records, images, labels, seed: int) -> None:
     """DDP's gradient, the hand-averaged one and a shard's own one against the single-process full batch."""
     images, labels = images.to(ctx.device), labels.to(ctx.device)
-    mine, my_labels = (dp_vs_ddp.shard(t, ctx.rank, ctx.world_size) for t in (images, labels))
-    model = dp_vs_ddp.seeded_model(ctx.device, seed, batch_norm=False)
-    reference = dp_vs_ddp.full_batch_gradients(model, images, labels)
-    with_ddp = dp_vs_ddp.shard_gradients(ctx, model, images, labels)
-    local = dp_vs_ddp.full_batch_gradients(model, mine, my_labels)
-    bn_model = dp_vs_ddp.seeded_model(ctx.device, seed, batch_norm=True)
-    bn_reference = dp_vs_ddp.full_batch_gradients(bn_model, images, labels)
-    bn_global = dp_vs_ddp.with_global_batch_norm(copy.deepcopy(bn_model), ctx.device)
+    mine, my_labels = (sync.shard(t, ctx.rank, ctx.world_size) for t in (images, labels))
+    model = sync.seeded_model(ctx.device, seed, batch_norm=False)
+    reference = sync.full_batch_gradients(model, images, labels)
+    with_ddp = sync.shard_gradients(ctx, model, images, labels)
+    local = sync.full_batch_gradients(model, mine, my_labels)
+    bn_model = sync.seeded_model(ctx.device, seed, batch_norm=True)
+    bn_reference = sync.full_batch_gradients(bn_model, images, labels)
+    bn_global = sync.with_global_batch_norm(copy.deepcopy(bn_model), ctx.device)
     largest = lambda gradients: max(g.abs().max().item() for g in gradients.values())
     records.write(Gradients(
-        ddp_vs_full_batch=dp_vs_ddp.largest_gap(with_ddp, reference),
-        hand_vs_full_batch=dp_vs_ddp.largest_gap(
-            dp_vs_ddp.shard_gradients(ctx, model, images, labels, by_hand=True), reference),
-        local_vs_full_batch=dp_vs_ddp.largest_gap(local, reference),
-        spread_across_ranks=dp_vs_ddp.spread_across_ranks(list(with_ddp.values())),
+        ddp_vs_full_batch=sync.largest_gap(with_ddp, reference),
+        hand_vs_full_batch=sync.largest_gap(
+            sync.shard_gradients(ctx, model, images, labels, by_hand=True), reference),
+        local_vs_full_batch=sync.largest_gap(local, reference),
+        spread_across_ranks=sync.spread_across_ranks(list(with_ddp.values())),
         largest_gradient=largest(reference),
-        batch_norm_local_vs_full_batch=dp_vs_ddp.largest_gap(
-            dp_vs_ddp.shard_gradients(ctx, bn_model, images, labels), bn_reference),
-        batch_norm_global_vs_full_batch=dp_vs_ddp.largest_gap(
-            dp_vs_ddp.shard_gradients(ctx, bn_global, images, labels), bn_reference),
+        batch_norm_local_vs_full_batch=sync.largest_gap(
+            sync.shard_gradients(ctx, bn_model, images, labels), bn_reference),
+        batch_norm_global_vs_full_batch=sync.largest_gap(
+            sync.shard_gradients(ctx, bn_global, images, labels), bn_reference),
         batch_norm_largest_gradient=largest(bn_reference), shard_size=int(mine.shape[0])))
 
 
 def noise_experiment(ctx, records, profile, seed: int) -> None:
     """The classic sync check: random images and labels, different on every rank; losses differ, parameters not."""
     per_rank = profile.global_batch // ctx.world_size
-    for index, loss, spread in dp_vs_ddp_loss.noise_steps(ctx, seed, profile.steps, per_rank, profile.image_size,
+    for index, loss, spread in loss_mean.noise_steps(ctx, seed, profile.steps, per_rank, profile.image_size,
                                                           profile.lr):
         records.write(NoiseStep(index, loss, spread))
 
 
 def buffer_experiments(ctx, records, mine, seed: int) -> None:
     """Rank-local BatchNorm buffers with and without DDP's buffer sync: mine is this rank's (N, 3, H, W)."""
-    for sync in (False, True):
-        model = DDP(dp_vs_ddp.seeded_model(ctx.device, seed, batch_norm=True), **dp_vs_ddp.buffer_sync_option(sync))
+    for buffer_sync in (False, True):
+        model = DDP(sync.seeded_model(ctx.device, seed, batch_norm=True), **sync.buffer_sync_option(buffer_sync))
         seen: list = []
         model.module.register_forward_pre_hook(
-            lambda module, args: seen.append([b.clone() for b in dp_vs_ddp.batch_norm_buffers(module)]))
+            lambda module, args: seen.append([b.clone() for b in sync.batch_norm_buffers(module)]))
         for _ in range(3):
             model(mine).sum().backward()
-        records.write(Buffers(sync, dp_vs_ddp.spread_across_ranks(seen[-1]),
-                              dp_vs_ddp.spread_across_ranks(dp_vs_ddp.batch_norm_buffers(model.module))))
+        records.write(Buffers(buffer_sync, sync.spread_across_ranks(seen[-1]),
+                              sync.spread_across_ranks(sync.batch_norm_buffers(model.module))))
 
 
 def statistics_experiment(ctx, records, images, seed: int) -> None:
     """The first BatchNorm of the model on this rank's shard, per-rank and global statistics, vs the full batch."""
-    mine = dp_vs_ddp.shard(images, ctx.rank, ctx.world_size).to(ctx.device)
+    mine = sync.shard(images, ctx.rank, ctx.world_size).to(ctx.device)
     buffer_experiments(ctx, records, mine, seed)
-    features = dp_vs_ddp.seeded_model(ctx.device, seed, batch_norm=True).features[0]
+    features = sync.seeded_model(ctx.device, seed, batch_norm=True).features[0]
     with torch.no_grad():
         whole, shard_features = features(images.to(ctx.device)), features(mine)
         channels = whole.shape[1]
         reference = torch.nn.BatchNorm2d(channels, momentum=1.0).to(ctx.device)
-        full_output = dp_vs_ddp.shard(reference(whole), ctx.rank, ctx.world_size)
+        full_output = sync.shard(reference(whole), ctx.rank, ctx.world_size)
         local_output = torch.nn.BatchNorm2d(channels).to(ctx.device)(shard_features)
-        layer = dp_vs_ddp.with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(channels)),
+        layer = sync.with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(channels)),
                                                  ctx.device).to(ctx.device)
         layer[0].momentum = 1.0  # running statistics := this batch's
         global_output = layer(shard_features)
@@ -226,21 +226,21 @@ def statistics_experiment(ctx, records, images, seed: int) -> None:
                              gap(layer[0].running_var, reference.running_var)))
 
 
-def train_ddp(ctx, records, profile, dataset, variant: dp_vs_ddp.Variant, seed: int) -> None:
+def train_ddp(ctx, records, profile, dataset, variant: sync.Variant, seed: int) -> None:
     """One DDP run: per-step loss and the parameters' spread across ranks after each step."""
-    model = DDP(dp_vs_ddp.seeded_model(ctx.device, seed, variant.batch_norm, variant.global_statistics))
+    model = DDP(sync.seeded_model(ctx.device, seed, variant.batch_norm, variant.global_statistics))
     optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
     batches = iter(data.DeviceBatches(dataset, profile.global_batch // ctx.world_size, ctx, seed=seed))
     for index in range(profile.steps):
         loss = step(model, optimizer, *next(batches))
         records.write(DdpStep(variant.key, index, loss.item(),
-                              dp_vs_ddp.spread_across_ranks(list(model.parameters()))))
+                              sync.spread_across_ranks(list(model.parameters()))))
 
 
 def train_single(ctx, records, profile, dataset, batch_norm: bool, seed: int) -> None:
     """Rank 0 alone: the same start, one process, the whole global batch each step (the union of the shards)."""
     alone = dataclasses.replace(ctx, rank=0, local_rank=0, world_size=1)
-    model = dp_vs_ddp.seeded_model(ctx.device, seed, batch_norm)
+    model = sync.seeded_model(ctx.device, seed, batch_norm)
     optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
     batches = iter(data.DeviceBatches(dataset, profile.global_batch, alone, seed=seed))
     for index in range(profile.steps):
@@ -282,16 +282,16 @@ def experiments(ctx, records, options: Options) -> dict:
     images, labels = data.synthetic_images(profile.global_batch, profile.image_size, seed=options.seed).tensors
     construction_broadcast(ctx, records, options.seed)
     gradient_equivalence(ctx, records, images, labels, options.seed)
-    records.write(Denominators(**dataclasses.asdict(dp_vs_ddp_loss.denominator_gaps(ctx, options.seed))))
+    records.write(Denominators(**dataclasses.asdict(loss_mean.denominator_gaps(ctx, options.seed))))
     noise_experiment(ctx, records, profile, options.seed)
     statistics_experiment(ctx, records, images, options.seed)
     dataset = data.synthetic_images(profile.num_samples, profile.image_size, seed=options.seed)
-    total = len(dp_vs_ddp.VARIANTS) + 1 + (2 if ctx.is_main else 0)
-    for index, variant in enumerate(dp_vs_ddp.VARIANTS):
+    total = len(sync.VARIANTS) + 1 + (2 if ctx.is_main else 0)
+    for index, variant in enumerate(sync.VARIANTS):
         train_ddp(ctx, records, profile, dataset, variant, options.seed)
         records.progress(index + 1, total, unit="training runs")
     time_steps(ctx, records, profile, dataset, options.seed)
-    records.progress(len(dp_vs_ddp.VARIANTS) + 1, total, unit="training runs")
+    records.progress(len(sync.VARIANTS) + 1, total, unit="training runs")
     if ctx.is_main:
         for index, batch_norm in enumerate((False, True)):
             train_single(ctx, records, profile, dataset, batch_norm, options.seed)
@@ -299,7 +299,7 @@ def experiments(ctx, records, options: Options) -> dict:
     return {"profile": profile.name, "global_batch": profile.global_batch, "steps": profile.steps,
             "model": profile.model, "timed_steps": profile.repeats,
             "per_rank_batch": profile.global_batch // ctx.world_size,
-            "variants": [variant.key for variant in dp_vs_ddp.VARIANTS]}
+            "variants": [variant.key for variant in sync.VARIANTS]}
 
 
 def dp_vs_ddp_lab(ctx, records, options: Options) -> dict:

@@ -11,7 +11,7 @@ from torch.utils.data import DistributedSampler
 
 from labsrc.core.exercises import ExerciseFailed, passed, solutions_root
 from labsrc.core.rank_output import rank_prefix
-from labsrc.exercises.ddp_script_runs import failure_verdict, launch_script
+from labsrc.lessons.dp_vs_ddp.script_runs import failure_verdict, launch_script
 
 NODES = 3  # the second run: 3 simulated nodes of one rank (a world size other than 2, RANK != LOCAL_RANK)
 LOSS_TOLERANCE = 1e-4  # |DDP - one process| per epoch: float rounding of the all-reduce, far below a changed step

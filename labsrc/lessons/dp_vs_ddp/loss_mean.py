@@ -11,7 +11,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from labsrc.dp_vs_ddp import gradients, largest_gap, shard, spread_across_ranks
+from labsrc.lessons.dp_vs_ddp.sync import gradients, largest_gap, shard, spread_across_ranks
 from labsrc.training.models import TinyCNN
 
 
