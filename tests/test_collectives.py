@@ -8,7 +8,7 @@ import torch
 from labsrc.core import runs
 from labsrc.core.forked import RankError, run_ranks
 from labsrc.core.world import RequestError
-from labsrc.labs import collectives as collectives_lab
+from labsrc.lessons.collectives import lab as collectives_lab
 from labsrc.techniques import alpha_beta, collectives
 
 

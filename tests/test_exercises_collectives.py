@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from labsrc.core.exercises import ExerciseFailed, load_solution
-from labsrc.exercises import collectives as checkers
+from labsrc.lessons.collectives import exercises as checkers
 
 
 def make_ring(direction=1, reduce=(0, -1), gather=(1, 0), gather_phase=True, mean=False, receive_from=None,

@@ -67,7 +67,7 @@ def ring_diagram(world_size: int = RANKS):
 def make(save):
     from labsrc import launch
     from labsrc.core.plan import make_plan
-    from labsrc.plots import collectives as plots
+    from labsrc.lessons.collectives import plots
     result = launch.run("collectives", nproc=make_plan().world_size, timeout=300)
     save("sweep", plots.sweep_with_fits(result).figure)
     save("bandwidth", plots.bus_bandwidth(result).figure)

@@ -1,7 +1,7 @@
 """Figures and tables of notebook 02 (collectives), drawn from the collectives lab's records."""
 from __future__ import annotations
 
-from labsrc.labs.collectives import Holding, Timing
+from labsrc.lessons.collectives.lab import Holding, Timing
 from labsrc.plots import new_axes
 from labsrc.techniques.alpha_beta import AlphaBeta
 

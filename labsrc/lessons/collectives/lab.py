@@ -2,7 +2,7 @@
 
     launch.run("collectives", nproc=3)
     python -m labsrc.launch --nproc 2 collectives -- --sizes 256 65536 --repeats 3
-    torchrun --nproc-per-node 2 -m labsrc.labs.collectives --profile ci
+    torchrun --nproc-per-node 2 -m labsrc.lessons.collectives.lab --profile ci
 """
 from __future__ import annotations
 
