@@ -7,14 +7,13 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from labsrc.training import data
 from labsrc.core import runs
-from labsrc import data_loading
-from labsrc.core.world import RankContext, RequestError
-from labsrc.labs import data_loading as data_loading_lab
-from labsrc.labs.data_loading import Options, Partition, Skipped, Throughput, Uneven
 from labsrc.core.forked import run_ranks
 from labsrc.core.plan import split_global_batch
+from labsrc.core.world import RankContext, RequestError
+from labsrc.lessons.data_loading import lab as data_loading_lab, sampling
+from labsrc.lessons.data_loading.lab import Options, Partition, Skipped, Throughput, Uneven
+from labsrc.training import data
 
 CPU = torch.device("cpu")
 
@@ -25,14 +24,14 @@ def rank_context(rank: int, world_size: int) -> RankContext:
 
 @pytest.mark.parametrize("size, world_size", [(10, 2), (10, 3), (12, 4), (7, 4)])
 def test_one_epoch_is_a_disjoint_cover_with_padding_counted(size, world_size):
-    orders = data_loading.epoch_orders(size, world_size, epochs=1)
+    orders = sampling.epoch_orders(size, world_size, epochs=1)
     per_rank = -(-size // world_size)
     assert all(len(order[0]) == per_rank for order in orders.values())
     read = [i for order in orders.values() for i in order[0]]
     assert set(read) == set(range(size))
     duplicates = len(read) - size
     assert duplicates == per_rank * world_size - size
-    assert (data_loading.coverage(size, world_size, False)["duplicates"], 0) == (duplicates, 0)
+    assert (sampling.coverage(size, world_size, False)["duplicates"], 0) == (duplicates, 0)
     if duplicates == 0:  # no padding: the shards are disjoint
         assert sum(len(set(order[0])) for order in orders.values()) == size
 
@@ -40,24 +39,24 @@ def test_one_epoch_is_a_disjoint_cover_with_padding_counted(size, world_size):
 @pytest.mark.parametrize("size, world_size", [(10, 3), (1001, 4), (64, 8), (5, 2)])
 def test_drop_last_drops_and_padding_duplicates_as_the_formula_says(size, world_size):
     for drop_last in (False, True):
-        counted = data_loading.coverage(size, world_size, drop_last)
-        assert (counted["duplicates"], counted["dropped"]) == data_loading.expected_coverage(size, world_size, drop_last)
+        counted = sampling.coverage(size, world_size, drop_last)
+        assert (counted["duplicates"], counted["dropped"]) == sampling.expected_coverage(size, world_size, drop_last)
         assert counted["read"] == counted["per_rank"] * world_size
     if drop_last:
-        shards = data_loading.epoch_orders(size, world_size, 1, drop_last=True)
+        shards = sampling.epoch_orders(size, world_size, 1, drop_last=True)
         read = [i for order in shards.values() for i in order[0]]
         assert len(read) == len(set(read)), "drop_last shards overlap"
 
 
 def test_drop_last_exact_counts_for_ten_samples_on_three_ranks():
-    padded, dropped = data_loading.coverage(10, 3, False), data_loading.coverage(10, 3, True)
+    padded, dropped = sampling.coverage(10, 3, False), sampling.coverage(10, 3, True)
     assert (padded["read"], padded["duplicates"], padded["dropped"]) == (12, 2, 0)
     assert (dropped["read"], dropped["duplicates"], dropped["dropped"]) == (9, 0, 1)
 
 
 def test_without_set_epoch_every_epoch_repeats():
-    with_epochs = data_loading.epoch_orders(20, 2, epochs=3, set_epoch=True)
-    without = data_loading.epoch_orders(20, 2, epochs=3, set_epoch=False)
+    with_epochs = sampling.epoch_orders(20, 2, epochs=3, set_epoch=True)
+    without = sampling.epoch_orders(20, 2, epochs=3, set_epoch=False)
     for rank in range(2):
         assert without[rank][0] == without[rank][1] == without[rank][2]
         assert len({tuple(order) for order in with_epochs[rank]}) == 3
@@ -75,10 +74,10 @@ def test_device_batches_use_the_distributed_sampler_partition():
 
 
 def test_slow_transform_costs_at_least_its_sleep_per_batch():
-    dataset = data_loading.SlowTransform(data.synthetic_images(64, 8), cost_s=0.002)
+    dataset = sampling.SlowTransform(data.synthetic_images(64, 8), cost_s=0.002)
     loader, sampler = data.make_loader(dataset, 8, rank_context(0, 1))
     seen = []
-    timing = data_loading.time_batches(data.forever(loader, sampler), 3, CPU, lambda images, labels: seen.append(images.shape))
+    timing = sampling.time_batches(data.forever(loader, sampler), 3, CPU, lambda images, labels: seen.append(images.shape))
     assert seen == [(8, 3, 8, 8)] * 4, "one warm-up step, then one compute call per timed step"
     assert len(timing["data_steps_s"]) == len(timing["compute_steps_s"]) == timing["steps"] == 3
     assert min(timing["data_steps_s"]) >= 8 * 0.002, "every batch of 8 sleeps 8 x 2 ms in this process"
@@ -87,7 +86,7 @@ def test_slow_transform_costs_at_least_its_sleep_per_batch():
 
 def test_worker_processes_deliver_the_same_batches_as_the_main_process():
     """Run here, not in run_ranks: forked test ranks are daemons, which may not start loader workers."""
-    dataset = data_loading.SlowTransform(data.synthetic_images(48, 4), cost_s=0.001)
+    dataset = sampling.SlowTransform(data.synthetic_images(48, 4), cost_s=0.001)
     batches = {}
     for workers in (0, 2):
         loader, sampler = data.make_loader(dataset, 8, rank_context(1, 2), num_workers=workers, seed=3)
@@ -138,13 +137,13 @@ def test_arms_are_found_by_their_keys_not_their_labels():
     rows = [Throughput(source=source, num_workers=workers, pin_memory=False, label="any text", batch=4,
                        transform_cost_s=0.0, steps=1, data_s=0.0, compute_s=0.0, data_steps_s=[], compute_steps_s=[])
             for source, workers in [("slow_transform", 0), ("slow_transform", 2), ("resident", 0)]]
-    assert data_loading.find_arm(rows, "slow_transform", num_workers=2) is rows[1]
-    assert data_loading.find_arm(rows, "resident") is rows[2]
+    assert sampling.find_arm(rows, "slow_transform", num_workers=2) is rows[1]
+    assert sampling.find_arm(rows, "resident") is rows[2]
     with pytest.raises(KeyError):
-        data_loading.find_arm(rows, "plain")
-    assert data_loading.transform_floor_s(8, 0.002, 0) == data_loading.transform_floor_s(8, 0.002, 1) == 8 * 0.002
-    assert data_loading.transform_floor_s(8, 0.002, 4) == 8 * 0.002 / 4
-    assert data_loading.data_bound(0.2, 0.1) and not data_loading.data_bound(0.1, 0.2)
+        sampling.find_arm(rows, "plain")
+    assert sampling.transform_floor_s(8, 0.002, 0) == sampling.transform_floor_s(8, 0.002, 1) == 8 * 0.002
+    assert sampling.transform_floor_s(8, 0.002, 4) == 8 * 0.002 / 4
+    assert sampling.data_bound(0.2, 0.1) and not sampling.data_bound(0.1, 0.2)
 
 
 def _lab_in_process(ctx, run_dir):
@@ -177,7 +176,7 @@ def test_lab_records_each_ranks_own_sampler_orders(lab_run):
         by_flags = {(row.set_epoch, row.drop_last): row.epochs for row in rows}
         assert sorted(by_flags) == sorted(data_loading_lab.PARTITIONS)
         for (set_epoch, drop_last), orders in by_flags.items():
-            assert orders == data_loading.rank_epoch_orders(summary["dataset_size"], rank, 2, summary["epochs"],
+            assert orders == sampling.rank_epoch_orders(summary["dataset_size"], rank, 2, summary["epochs"],
                                                             set_epoch=set_epoch, drop_last=drop_last)
 
 
@@ -192,10 +191,10 @@ def test_join_lets_uneven_ranks_finish_with_the_replayed_weights(lab_run):
     assert summary["batches_per_rank"] == [3, 4]
     assert [r.steps for r in joined] == summary["batches_per_rank"]
     assert [r.error for r in joined] == [None, None]
-    reference = data_loading.uneven_reference(summary["batches_per_rank"], seed=0)
+    reference = sampling.uneven_reference(summary["batches_per_rank"], seed=0)
     for record in joined:
         torch.testing.assert_close(torch.tensor(record.weight), reference.flatten())
-    by_active = data_loading.uneven_reference(summary["batches_per_rank"], seed=0, divide_by_initial_world_size=False)
+    by_active = sampling.uneven_reference(summary["batches_per_rank"], seed=0, divide_by_initial_world_size=False)
     assert not torch.allclose(torch.tensor(joined[1].weight), by_active.flatten()), "Join's default divisor"
 
 
@@ -215,7 +214,7 @@ def _join_that_does_not_shadow(ctx, run_dir):
     real_join = join_module.Join
     disabled = lambda joinables: real_join(joinables, enable=False)
     with mock.patch.object(join_module, "Join", disabled):
-        return data_loading.train_uneven(ctx, [1, 2], join=True, timeout_s=1.0)
+        return sampling.train_uneven(ctx, [1, 2], join=True, timeout_s=1.0)
 
 
 def test_a_join_that_does_not_shadow_leaves_the_longer_rank_stuck(tmp_path):
@@ -231,8 +230,8 @@ def test_lab_sweep_times_every_arm_and_skips_pin_memory_without_gpu(lab_run):
     assert [row.label for row in rows] == ["slow transform, 0 worker(s)", "no slow transform, 0 worker(s)",
                                            "resident on the device"]
     assert all(row.batch == summary["batch_per_rank"] == 32 for row in rows), "ci: global batch 64 on 2 ranks"
-    slow = data_loading.find_arm(rows, "slow_transform")
-    assert slow.data_s >= data_loading.transform_floor_s(slow.batch, slow.transform_cost_s, 0)
+    slow = sampling.find_arm(rows, "slow_transform")
+    assert slow.data_s >= sampling.transform_floor_s(slow.batch, slow.transform_cost_s, 0)
     assert len(_of(records, Skipped)[0]) == 1, "run_ranks' ranks run on the CPU, GPU or not: pin_memory is skipped"
 
 
@@ -285,11 +284,11 @@ def test_cifar10_is_none_when_absent(tmp_path):
 
 def test_padding_check_accepts_torch_and_rejects_other_padding():
     for size, world_size in [(11, 2), (10, 4), (3, 8), (12, 4)]:
-        shards = [orders[0] for orders in data_loading.epoch_orders(size, world_size, 1).values()]
-        assert data_loading.padding_repeats_the_start(shards, size)
-        counted = data_loading.count_reads(shards, size)
-        padding, _ = data_loading.expected_coverage(size, world_size, False)
+        shards = [orders[0] for orders in sampling.epoch_orders(size, world_size, 1).values()]
+        assert sampling.padding_repeats_the_start(shards, size)
+        counted = sampling.count_reads(shards, size)
+        padding, _ = sampling.expected_coverage(size, world_size, False)
         assert counted["dropped"] == 0 and counted["duplicates"] == padding
-    shards = [orders[0] for orders in data_loading.epoch_orders(11, 2, 1).values()]
+    shards = [orders[0] for orders in sampling.epoch_orders(11, 2, 1).values()]
     shards[1][-1] = next(index for index in shards[1] if index != shards[0][0])  # padded with another sample
-    assert not data_loading.padding_repeats_the_start(shards, 11)
+    assert not sampling.padding_repeats_the_start(shards, 11)

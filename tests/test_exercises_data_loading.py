@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from labsrc.core.exercises import ExerciseFailed, load_solution
-from labsrc.exercises import data_loading as checkers
+from labsrc.lessons.data_loading import exercises as checkers
 
 
 def _order(size, seed, shuffle):

@@ -5,8 +5,8 @@ from __future__ import annotations
 def make(save):
     from labsrc import launch
     from labsrc.core.plan import make_plan
-    from labsrc.labs.data_loading import Throughput, Uneven
-    from labsrc.plots import data_loading as plots
+    from labsrc.lessons.data_loading.lab import Throughput, Uneven
+    from labsrc.lessons.data_loading import plots
     plan = make_plan()
     result = launch.run("data_loading", nproc=plan.world_size, timeout=300, global_batch=plan.global_batch)
     save("partitions_set_epoch", plots.partitions(result, set_epoch=True).figure)

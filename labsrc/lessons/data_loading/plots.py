@@ -1,8 +1,8 @@
 """Figures of notebook 03 (data loading), drawn from the data_loading lab's records."""
 from __future__ import annotations
 
-from labsrc import data_loading
-from labsrc.labs.data_loading import Partition, Throughput
+from labsrc.lessons.data_loading import sampling
+from labsrc.lessons.data_loading.lab import Partition, Throughput
 from labsrc.plots import new_axes
 
 
@@ -43,9 +43,9 @@ def step_split(result, rank: int = 0, ax=None):
     ax.barh([r.label for r in rows], compute_ms, left=data_ms, color="#2563eb",
             label="forward + backward + step (median)")
     for index, row in enumerate(rows):
-        bound = "data-bound" if data_loading.data_bound(row.data_s, row.compute_s) else "compute-bound"
+        bound = "data-bound" if sampling.data_bound(row.data_s, row.compute_s) else "compute-bound"
         ax.text(data_ms[index] + compute_ms[index], index, f" {bound}", va="center", fontsize=8)
-        floor_ms = 1000 * data_loading.transform_floor_s(row.batch, row.transform_cost_s, row.num_workers)
+        floor_ms = 1000 * sampling.transform_floor_s(row.batch, row.transform_cost_s, row.num_workers)
         if floor_ms > 0:
             ax.plot([floor_ms, floor_ms], [index - 0.4, index + 0.4], color="black", linestyle="--")
     ax.plot([], [], color="black", linestyle="--", label="batch x cost / workers")

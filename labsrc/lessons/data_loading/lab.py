@@ -1,7 +1,7 @@
 """Data loading on n ranks: shards per epoch, uneven inputs with and without Join, and where a step's time goes.
 
     python -m labsrc.launch --nproc 2 data_loading -- --cost-ms 2 --workers 0 2
-    torchrun --nproc-per-node 2 -m labsrc.labs.data_loading --profile ci
+    torchrun --nproc-per-node 2 -m labsrc.lessons.data_loading.lab --profile ci
 """
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from typing import ClassVar
 
 import torch
 
-from labsrc import data_loading
 from labsrc.core.lab import resolve_profile, run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.plan import split_global_batch
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
+from labsrc.lessons.data_loading import sampling
 from labsrc.training import data
 from labsrc.training.loop import step
 from labsrc.training.models import build_model
@@ -128,7 +128,7 @@ def arm_label(source: str, num_workers: int, pin_memory: bool) -> str:
 def sweep_arms(ctx, dataset, cost_s: float, workers: list[int]) -> list[dict]:
     """The loaders to time: the slow transform with each num_workers, then without it (pin_memory on and off
     where there is a GPU), each arm as {source, dataset, num_workers, pin_memory, transform_cost_s}."""
-    slow = data_loading.SlowTransform(dataset, cost_s)
+    slow = sampling.SlowTransform(dataset, cost_s)
     arms = [{"source": "slow_transform", "dataset": slow, "num_workers": count, "pin_memory": False,
              "transform_cost_s": cost_s} for count in workers]
     pins = [False, True] if ctx.device.type == "cuda" else [False]
@@ -159,12 +159,12 @@ def throughput_sweep(ctx, records, profile, batch: int, cost_s: float, workers: 
         loader, sampler = data.make_loader(arm["dataset"], batch, ctx, num_workers=arm["num_workers"],
                                            seed=seed, pin_memory=arm["pin_memory"])
         write_throughput(records, arm, batch,
-                         data_loading.time_batches(data.forever(loader, sampler), steps, ctx.device, train_step))
+                         sampling.time_batches(data.forever(loader, sampler), steps, ctx.device, train_step))
         records.progress(index + 1, len(arms) + 1, unit="loaders timed")
         del loader, sampler  # ends this arm's worker processes before the next arm is timed
     resident = data.DeviceBatches(dataset, batch, ctx, seed=seed)
     arm = {"source": "resident", "num_workers": 0, "pin_memory": False, "transform_cost_s": 0.0}
-    write_throughput(records, arm, batch, data_loading.time_batches(resident, steps, ctx.device, train_step))
+    write_throughput(records, arm, batch, sampling.time_batches(resident, steps, ctx.device, train_step))
     records.progress(len(arms) + 1, len(arms) + 1, unit="loaders timed")
 
 
@@ -172,13 +172,13 @@ def data_loading_lab(ctx, records, options: Options) -> dict:
     profile = resolve_profile(options)
     batch = split_global_batch(options.global_batch, profile, ctx.world_size) // ctx.world_size
     for set_epoch, drop_last in PARTITIONS:
-        orders = data_loading.rank_epoch_orders(options.dataset_size, ctx.rank, ctx.world_size, options.epochs,
+        orders = sampling.rank_epoch_orders(options.dataset_size, ctx.rank, ctx.world_size, options.epochs,
                                                 set_epoch=set_epoch, drop_last=drop_last, seed=options.seed)
         records.write(Partition(set_epoch=set_epoch, drop_last=drop_last, epochs=orders))
     batches = [options.uneven_base + rank for rank in range(ctx.world_size)]
     if ctx.world_size > 1:
         for join, timeout_s in ((False, options.join_timeout_s), (True, options.joined_timeout_s)):
-            records.write(Uneven(**data_loading.train_uneven(ctx, batches, join, timeout_s, options.seed)))
+            records.write(Uneven(**sampling.train_uneven(ctx, batches, join, timeout_s, options.seed)))
     else:
         records.write(Skipped(arm="uneven", reason="one rank has nothing to be uneven with: launch 2 or more"))
     workers = list(options.workers) or default_workers(profile)

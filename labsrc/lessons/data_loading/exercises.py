@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from labsrc.core.exercises import ExerciseFailed, passed
-from labsrc.data_loading import IndexDataset, coverage
+from labsrc.lessons.data_loading.sampling import IndexDataset, coverage
 
 # (dataset_size, world_size): n divides N, pads a little, pads more than once around (N < n)
 SIZES = ((12, 4), (10, 4), (11, 2), (10, 3), (3, 8))
