@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from labsrc.core.exercises import ExerciseFailed, load_solution
-from labsrc.exercises import ddp_internals as checkers
+from labsrc.lessons.ddp_internals import exercises as checkers
 
 
 def test_assign_buckets_solution_passes(capsys):

@@ -5,18 +5,17 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import ddp_internals, handmade_ddp
 from labsrc.core.forked import run_ranks
 from labsrc.core.world import RequestError
-from labsrc.ddp_internals import covered_ms, overlap_ms
-from labsrc.labs import ddp_internals as lab
+from labsrc.lessons.ddp_internals import handmade_ddp, inside_ddp, lab
+from labsrc.lessons.ddp_internals.inside_ddp import covered_ms, overlap_ms
 from labsrc.training.loop import step as train_step
 
 WIDTH, BATCH, STEPS = 32, 4, 3
 
 
 def _make(version: str):
-    model = ddp_internals.layered_model(layers=3, width=WIDTH)
+    model = inside_ddp.layered_model(layers=3, width=WIDTH)
     if version == "torch":
         return DDP(model)
     if version == "after_backward":
@@ -42,7 +41,7 @@ def _train_all(ctx):
 
 def _single_process(world_size: int):
     """One process, one model, every rank's batch at once: (grads per step, params)."""
-    model = ddp_internals.layered_model(layers=3, width=WIDTH)
+    model = inside_ddp.layered_model(layers=3, width=WIDTH)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     gradients = []
     for step in range(STEPS):
@@ -90,18 +89,18 @@ def test_bucket_rule_closes_at_the_cap_in_reverse_order():
 
 
 def _torch_ddp_bucket_counts(ctx, caps_mb, width):
-    parameters = list(ddp_internals.layered_model(layers=3, width=width).parameters())
+    parameters = list(inside_ddp.layered_model(layers=3, width=width).parameters())
     rows = []
     for cap in caps_mb:
-        model = DDP(ddp_internals.layered_model(layers=3, width=width), **({} if cap is None else {"bucket_cap_mb": cap}))
-        counter = ddp_internals.CommCounter()
-        model.register_comm_hook(counter, ddp_internals.counting_hook())
+        model = DDP(inside_ddp.layered_model(layers=3, width=width), **({} if cap is None else {"bucket_cap_mb": cap}))
+        counter = inside_ddp.CommCounter()
+        model.register_comm_hook(counter, inside_ddp.counting_hook())
         calls = []
         for step in range(3):
             counter.reset()
             train_step(model, None, *lab.rank_batch(ctx.rank, 2, width, step))
             calls.append(counter.calls)
-        first_cap, cap_bytes = ddp_internals.torch_ddp_caps(cap)
+        first_cap, cap_bytes = inside_ddp.torch_ddp_caps(cap)
         predicted = handmade_ddp.assign_buckets(parameters, cap_bytes, first_cap)
         assert counter.buckets(model.module) == predicted, f"cap {cap}: DDP's buckets differ from the predicted ones"
         rows.append((calls, len(predicted), counter.bytes))
@@ -122,7 +121,7 @@ def test_torch_ddp_all_reduces_per_step_equal_the_predicted_buckets():
 
 
 def _bucketed_schedule(ctx):
-    model = handmade_ddp.BucketedDDP(ddp_internals.layered_model(layers=3, width=WIDTH), bucket_cap_mb=0.005)
+    model = handmade_ddp.BucketedDDP(inside_ddp.layered_model(layers=3, width=WIDTH), bucket_cap_mb=0.005)
     for step in range(2):
         train_step(model, None, *lab.rank_batch(ctx.rank, BATCH, WIDTH, step))
         model.finish_gradient_sync()
@@ -211,7 +210,7 @@ def test_no_sync_unused_parameters_bucket_view_compression_and_overlap(tmp_path)
         assert 0 < row.max_error < 1e-2
     [profiled] = found["profile"]
     assert os.path.getsize(profiled.trace) > 0
-    assert set(ddp_internals.SPAN_LABELS) <= {s["kind"] for s in profiled.spans}
+    assert set(inside_ddp.SPAN_LABELS) <= {s["kind"] for s in profiled.spans}
     timeline = overlap_ms(profiled.spans)
     assert timeline["launched"] > 1 and timeline["launched_during_backward"] == timeline["launched"]
     [schedule] = found["handmade_schedule"]

@@ -51,7 +51,7 @@ def overlap_diagram():
 def make(save):
     from labsrc import launch
     from labsrc.core.plan import make_plan
-    from labsrc.plots import ddp_internals as plots
+    from labsrc.lessons.ddp_internals import plots
     plan = make_plan()
     result = launch.run("ddp_internals", nproc=plan.world_size, timeout=300, global_batch=plan.global_batch)
     save("bucket_sweep", plots.bucket_sweep(result).figure)

@@ -1,8 +1,8 @@
 """Figures of notebook 04 (DDP internals), drawn from the ddp_internals lab's records."""
 from __future__ import annotations
 
-from labsrc.ddp_internals import SPAN_LABELS
-from labsrc.labs.ddp_internals import BucketSweep, HandmadeSchedule, ProfiledStep
+from labsrc.lessons.ddp_internals.inside_ddp import SPAN_LABELS
+from labsrc.lessons.ddp_internals.lab import BucketSweep, HandmadeSchedule, ProfiledStep
 from labsrc.plots import gantt, new_axes
 
 

@@ -1,7 +1,7 @@
 """DDP internals on n ranks: DDP by hand vs torch DDP, buckets, no_sync, unused parameters, bucket views, compression, overlap.
 
     python -m labsrc.launch --nproc 2 ddp_internals -- --parts buckets --caps-mb 0.02 0.2 2
-    torchrun --nproc-per-node 2 -m labsrc.labs.ddp_internals --profile ci
+    torchrun --nproc-per-node 2 -m labsrc.lessons.ddp_internals.lab --profile ci
 """
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from typing import ClassVar
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import ddp_internals, handmade_ddp
 from labsrc.core.lab import resolve_profile, run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.plan import split_global_batch
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
+from labsrc.lessons.ddp_internals import handmade_ddp, inside_ddp
 from labsrc.lessons.dp_vs_ddp import sync
 from labsrc.training.loop import step
 from labsrc.training.timing import timed
@@ -182,7 +182,7 @@ def synchronise(model) -> None:
 
 def equivalence(ctx, records, width: int, batch: int, steps: int = 3) -> None:
     """Handmade (a) and (b), torch DDP and one process on the union of the batches, after `steps` SGD steps."""
-    make = lambda: ddp_internals.layered_model(width=width).to(ctx.device)
+    make = lambda: inside_ddp.layered_model(width=width).to(ctx.device)
     models = {"torch_ddp": DDP(make()), "after_backward": handmade_ddp.AllReduceAfterBackward(make()),
               "buckets": handmade_ddp.BucketedDDP(make(), bucket_cap_mb=0.1)}
     single = make()
@@ -216,11 +216,11 @@ def bucket_sweep(ctx, records, width: int, batch: int, caps_mb: list[float], rep
 
     on_cap() is called after each bucket size (the lab's progress).
     """
-    parameters = list(ddp_internals.layered_model(width=width).parameters())
+    parameters = list(inside_ddp.layered_model(width=width).parameters())
     for cap in caps_mb:
-        model = DDP(ddp_internals.layered_model(width=width).to(ctx.device), bucket_cap_mb=cap)
-        counter = ddp_internals.CommCounter()
-        model.register_comm_hook(counter, ddp_internals.counting_hook())
+        model = DDP(inside_ddp.layered_model(width=width).to(ctx.device), bucket_cap_mb=cap)
+        counter = inside_ddp.CommCounter()
+        model.register_comm_hook(counter, inside_ddp.counting_hook())
         seconds, calls = [], []
         for index in range(repeats + 1):  # step 0: one bucket, then DDP rebuilds them in gradient-ready order
             images, labels = rank_batch(ctx.rank, batch, width, index, ctx.device)
@@ -229,7 +229,7 @@ def bucket_sweep(ctx, records, width: int, batch: int, caps_mb: list[float], rep
                 step(model, None, images, labels)
             seconds.append(elapsed["s"])
             calls.append(counter.calls)
-        first_cap, cap_bytes = ddp_internals.torch_ddp_caps(cap)
+        first_cap, cap_bytes = inside_ddp.torch_ddp_caps(cap)
         predicted = handmade_ddp.assign_buckets(parameters, cap_bytes, first_cap)
         records.write(BucketSweep(cap_mb=cap, allreduce_calls=calls[-1], calls_per_step=calls,
                                   step_s=statistics.median(seconds[1:]), bytes_per_step=counter.bytes,
@@ -241,14 +241,14 @@ def bucket_sweep(ctx, records, width: int, batch: int, caps_mb: list[float], rep
 
 def accumulation(ctx, records, width: int, batch: int, micro_steps: int, bucket_cap_mb: float = 0.1) -> None:
     """k micro-batches with no_sync on the first k-1: all-reduces counted, gradient vs one large batch."""
-    model = DDP(ddp_internals.layered_model(width=width).to(ctx.device), bucket_cap_mb=bucket_cap_mb)
-    counter = ddp_internals.CommCounter()
-    model.register_comm_hook(counter, ddp_internals.counting_hook())
+    model = DDP(inside_ddp.layered_model(width=width).to(ctx.device), bucket_cap_mb=bucket_cap_mb)
+    counter = inside_ddp.CommCounter()
+    model.register_comm_hook(counter, inside_ddp.counting_hook())
     batches = [rank_batch(ctx.rank, max(1, batch // micro_steps), width, index, ctx.device)
                for index in range(micro_steps)]
     step(model, None, *batches[0])  # let DDP rebuild its buckets first
-    calls_wrong = ddp_internals.accumulate(model, batches, counter, forward_inside=False)
-    calls = ddp_internals.accumulate(model, batches, counter, forward_inside=True)
+    calls_wrong = inside_ddp.accumulate(model, batches, counter, forward_inside=False)
+    calls = inside_ddp.accumulate(model, batches, counter, forward_inside=True)
     accumulated = sync.gradients(model)
     large = copy.deepcopy(model)
     step(large, None, torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches]))
@@ -260,24 +260,24 @@ def accumulation(ctx, records, width: int, batch: int, micro_steps: int, bucket_
 def settings(ctx, records, width: int, batch: int) -> None:
     """Unused parameters (and static_graph), gradient_as_bucket_view, compression hooks."""
     images, labels = rank_batch(ctx.rank, batch, 16, 0, ctx.device)
-    for outcome in ddp_internals.unused_parameter_outcomes(images, labels):
+    for outcome in inside_ddp.unused_parameter_outcomes(images, labels):
         records.write(UnusedParameters(**outcome))
     images, labels = rank_batch(ctx.rank, batch, width, 0, ctx.device)
-    make = lambda: ddp_internals.layered_model(width=width).to(ctx.device)
-    for row in ddp_internals.bucket_view_comparison(make, images, labels, bucket_cap_mb=0.1):
+    make = lambda: inside_ddp.layered_model(width=width).to(ctx.device)
+    for row in inside_ddp.bucket_view_comparison(make, images, labels, bucket_cap_mb=0.1):
         records.write(BucketView(**row))
-    for row in ddp_internals.compression_comparison(make, images, labels):
+    for row in inside_ddp.compression_comparison(make, images, labels):
         records.write(Compression(**row))
 
 
 def overlap(ctx, records, width: int, batch: int, run_dir: str, bucket_cap_mb: float = 0.25) -> None:
     """A profiled DDP step (small buckets, so several all-reduces run during backward) and the handmade schedule."""
-    make = lambda: ddp_internals.layered_model(layers=8, width=2 * width).to(ctx.device)
+    make = lambda: inside_ddp.layered_model(layers=8, width=2 * width).to(ctx.device)
     model = DDP(make(), bucket_cap_mb=bucket_cap_mb)
     images, labels = rank_batch(ctx.rank, batch, 2 * width, 0, ctx.device)
     step(model, None, images, labels)  # warm-up and bucket rebuild
     trace = os.path.join(run_dir, f"rank{ctx.rank}.pt.trace.json")
-    records.write(ProfiledStep(trace=trace, spans=ddp_internals.profiled_step(model, images, labels, trace)))
+    records.write(ProfiledStep(trace=trace, spans=inside_ddp.profiled_step(model, images, labels, trace)))
     handmade = handmade_ddp.BucketedDDP(make(), bucket_cap_mb=bucket_cap_mb)
     for _ in range(2):  # the second step is recorded: nothing left to warm up
         step(handmade, None, images, labels)

@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labsrc.core.exercises import ExerciseFailed, on_ranks, passed
 from labsrc.core.forked import run_ranks
-from labsrc.ddp_internals import layered_model, torch_ddp_caps
+from labsrc.lessons.ddp_internals.inside_ddp import layered_model, torch_ddp_caps
 
 # (Linear layers as (in, out), bucket_cap_mb): cases where the plausible mistakes give other buckets than torch's.
 BUCKET_CASES = (
