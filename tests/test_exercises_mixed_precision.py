@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from labsrc.core.exercises import ExerciseFailed, load_solution
-from labsrc.exercises import mixed_precision as checkers
+from labsrc.lessons.mixed_precision import exercises as checkers
 
 
 def test_scaled_step_solution_passes(capsys):

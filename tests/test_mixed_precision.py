@@ -5,20 +5,20 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import mixed_precision, mixed_precision_ddp
 from labsrc.core import runs
 from labsrc.core.forked import run_ranks
 from labsrc.core.launch import RunResult
 from labsrc.core.profiles import PROFILES
 from labsrc.core.world import RequestError
-from labsrc.labs.mixed_precision import AmpStep, GradientBytes, ModeCost, Options, SkippedMode, micro_batch_size, \
-    mixed_precision_lab, modes_for
 from labsrc.lessons.dp_vs_ddp import sync
+from labsrc.lessons.mixed_precision import precision, under_ddp
+from labsrc.lessons.mixed_precision.lab import AmpStep, GradientBytes, ModeCost, Options, SkippedMode, micro_batch_size, \
+    mixed_precision_lab, modes_for
 from labsrc.training.models import TinyCNN
 
 
 def test_formats_differ_where_they_should():
-    table = mixed_precision.format_table()
+    table = precision.format_table()
     assert table["fp16"]["max"] == 65504.0 and table["bf16"]["max"] > 3e38  # bf16: fp32's 8 exponent bits
     assert table["bf16"]["smallest_normal"] == table["fp32"]["smallest_normal"] == 2.0**-126
     assert table["bf16"]["eps"] == 2**-7 and table["fp16"]["eps"] == 2**-10
@@ -28,13 +28,13 @@ def test_formats_differ_where_they_should():
 
 
 def test_bf16_rounds_about_eight_times_coarser_than_fp16():
-    bf16, fp16 = mixed_precision.rounding_error(torch.bfloat16), mixed_precision.rounding_error(torch.float16)
-    assert mixed_precision.rounding_error(torch.float32) == 0.0
+    bf16, fp16 = precision.rounding_error(torch.bfloat16), precision.rounding_error(torch.float16)
+    assert precision.rounding_error(torch.float32) == 0.0
     assert 4 < bf16 / fp16 < 16  # three fewer mantissa bits: 2^3
 
 
 def test_grad_scaler_recovers_what_fp16_loses():
-    lost = mixed_precision.underflow()
+    lost = precision.underflow()
     assert lost["fp32"]["lost_fraction"] == 0.0 and lost["fp32"]["zero_fraction"] < 0.05
     assert lost["fp16, no scaling"]["zero_fraction"] == 1.0
     assert lost["fp16 + GradScaler"]["lost_fraction"] < 0.01
@@ -43,18 +43,18 @@ def test_grad_scaler_recovers_what_fp16_loses():
 
 
 def test_expected_scales_follow_the_rule():
-    assert mixed_precision.expected_scales(7, {3}, 8.0, 2) == [8, 8, 16, 16, 8, 8, 16]
+    assert precision.expected_scales(7, {3}, 8.0, 2) == [8, 8, 16, 16, 8, 8, 16]
 
 
 def test_scaler_skips_exactly_the_overflowing_steps_and_follows_the_rule():
-    trace = mixed_precision.scaler_trace(steps=12, overflow_steps=(5,), growth_interval=2)
+    trace = precision.scaler_trace(steps=12, overflow_steps=(5,), growth_interval=2)
     assert [r["step"] for r in trace if r["skipped"]] == [5]
     assert [r["step"] for r in trace if not r["parameters_changed"]] == [5]
-    assert [r["scale"] for r in trace] == mixed_precision.expected_scales(12, (5,), 2.0**10, 2)
+    assert [r["scale"] for r in trace] == precision.expected_scales(12, (5,), 2.0**10, 2)
 
 
 def test_clip_sees_exactly_scale_times_the_norm_without_unscale():
-    clip = mixed_precision.clipping_with_and_without_unscale(scale=2.0**8)
+    clip = precision.clipping_with_and_without_unscale(scale=2.0**8)
     true_norm = clip["with unscale_"]["norm_seen_by_clip"]
     assert true_norm > clip["max_norm"]  # clipping engages
     assert clip["without unscale_"]["norm_seen_by_clip"] == 2.0**8 * true_norm
@@ -64,8 +64,8 @@ def test_clip_sees_exactly_scale_times_the_norm_without_unscale():
 
 def _message_bytes_on_rank(ctx):
     images, labels = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
-    return {mode: mixed_precision_ddp.message_bytes(TinyCNN, images, labels, mode)
-            for mode in mixed_precision_ddp.MESSAGE_MODES}
+    return {mode: under_ddp.message_bytes(TinyCNN, images, labels, mode)
+            for mode in under_ddp.MESSAGE_MODES}
 
 
 def test_autocast_all_reduces_fp32_gradients_and_only_compression_or_bf16_parameters_halve_them():
@@ -80,18 +80,18 @@ def test_autocast_all_reduces_fp32_gradients_and_only_compression_or_bf16_parame
 
 def test_float32_matmul_precision_is_restored():
     before = torch.get_float32_matmul_precision()
-    with mixed_precision.float32_matmul_precision("high" if before == "highest" else "highest"):
+    with precision.float32_matmul_precision("high" if before == "highest" else "highest"):
         assert torch.get_float32_matmul_precision() != before
     assert torch.get_float32_matmul_precision() == before
-    assert mixed_precision.tf32_unavailable("cpu") and set(mixed_precision.tf32_settings()) >= {
+    assert precision.tf32_unavailable("cpu") and set(precision.tf32_settings()) >= {
         "torch.backends.cuda.matmul.allow_tf32", "torch.backends.cudnn.allow_tf32"}
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp16"])
 def test_autocast_saves_the_same_elements_in_half_the_bytes(mode):
     images, labels = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
-    fp32 = mixed_precision.saved_activation_bytes(TinyCNN(), images, labels, "fp32")
-    half = mixed_precision.saved_activation_bytes(TinyCNN(), images, labels, mode)
+    fp32 = precision.saved_activation_bytes(TinyCNN(), images, labels, "fp32")
+    half = precision.saved_activation_bytes(TinyCNN(), images, labels, mode)
     sixteen_bit = half["bfloat16" if mode == "bf16" else "float16"]
     assert half["elements"] == fp32["elements"]
     assert fp32["total"] - half["total"] == sixteen_bit  # each 16-bit element saved 2 of its 4 bytes
@@ -99,7 +99,7 @@ def test_autocast_saves_the_same_elements_in_half_the_bytes(mode):
 
 def test_mode_costs_report_every_mode():
     images, labels = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
-    costs = mixed_precision.mode_costs(TinyCNN, images, labels, ["fp32", "bf16", "fp16"], steps=2)
+    costs = precision.mode_costs(TinyCNN, images, labels, ["fp32", "bf16", "fp16"], steps=2)
     assert set(costs) == {"fp32", "bf16", "fp16"} and all(len(c["step_times_s"]) == 2 for c in costs.values())
     assert all(len(c["losses"]) == 3 for c in costs.values())
     first = {mode: c["losses"][0] for mode, c in costs.items()}  # the same model and batch: agree to 16-bit precision
@@ -110,11 +110,11 @@ def test_mode_costs_report_every_mode():
 
 def test_fp16_keeps_one_grad_scaler_across_its_steps():
     images, labels = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
-    costs = mixed_precision.mode_costs(TinyCNN, images, labels, ["fp16"], steps=4, growth_interval=1)
+    costs = precision.mode_costs(TinyCNN, images, labels, ["fp16"], steps=4, growth_interval=1)
     scales = costs["fp16"]["loss_scales"]
     assert scales[0] == 2.0**16  # GradScaler's default init_scale
     assert len(set(scales)) > 1, f"the loss scale never moved ({scales}): a fresh GradScaler every step?"
-    assert scales == mixed_precision.expected_scales(5, costs["fp16"]["skipped_steps"], 2.0**16, 1)
+    assert scales == precision.expected_scales(5, costs["fp16"]["skipped_steps"], 2.0**16, 1)
 
 
 def test_mode_costs_restore_the_tf32_settings():
@@ -122,7 +122,7 @@ def test_mode_costs_restore_the_tf32_settings():
     images, labels = torch.randn(4, 3, 16, 16), torch.randint(10, (4,))
     try:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
-        mixed_precision.mode_costs(TinyCNN, images, labels, ["tf32", "fp32"], steps=1)
+        precision.mode_costs(TinyCNN, images, labels, ["tf32", "fp32"], steps=1)
         assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, True)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
@@ -160,7 +160,7 @@ def test_lab_writes_typed_records_that_read_back(tmp_path):
     assert all(s.allreduced_bytes == s.gradient_bytes > 0 for s in steps), "every gradient byte once per step"
     assert all(s.gradient_gap is not None and s.gradient_gap < 0.05 for s in steps), \
         "the accumulated gradient (each micro-loss / k) is the mean of the micro-batches' gradients"
-    assert {b.mode for b in result.of(GradientBytes, rank=0)} == set(mixed_precision_ddp.MESSAGE_MODES)
+    assert {b.mode for b in result.of(GradientBytes, rank=0)} == set(under_ddp.MESSAGE_MODES)
     for mine, theirs in zip(result.of(AmpStep, rank=0), result.of(AmpStep, rank=1)):
         assert mine.mean_loss == theirs.mean_loss == pytest.approx((mine.loss + theirs.loss) / 2)
     assert summary["micro_steps"] == 2 and set(summary["modes"]) == {"fp32", "bf16", "fp16"}
@@ -182,7 +182,7 @@ def _amp_ddp_training(ctx, mode: str, steps: int = 6, micro_steps: int = 2):
     micro_batches = list(zip(images.chunk(micro_steps), labels.chunk(micro_steps)))
     losses, spreads = [], []
     for _ in range(steps):
-        losses.append(mixed_precision_ddp.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode).item())
+        losses.append(under_ddp.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode).item())
         spreads.append(sync.spread_across_ranks(list(model.parameters())))
     return losses, spreads, scaler.get_scale() if scaler.is_enabled() else None
 
@@ -200,7 +200,7 @@ def _accumulation_checks(ctx, mode: str, micro_steps: int, steps: int = 3):
     """(all-reduces, gradient gap) per step of accumulation_step under DDP, with a counting comm hook."""
     torch.manual_seed(0)
     model = DDP(TinyCNN())
-    counter = mixed_precision_ddp.CountingHook()
+    counter = under_ddp.CountingHook()
     model.register_comm_hook(None, counter.hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scaler = torch.amp.GradScaler("cpu", enabled=mode == "fp16")
@@ -210,9 +210,9 @@ def _accumulation_checks(ctx, mode: str, micro_steps: int, steps: int = 3):
         micro_batches = [(torch.randn(8, 3, 16, 16, generator=generator), torch.randint(10, (8,), generator=generator))
                          for _ in range(micro_steps)]
         before, counter.syncs = copy.deepcopy(model.module), 0
-        mixed_precision_ddp.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode)
-        reference = mixed_precision_ddp.micro_batch_mean_gradient(before, micro_batches, ctx.device, mode)
-        checks.append((counter.syncs, mixed_precision_ddp.gradient_gap(model, reference)))
+        under_ddp.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode)
+        reference = under_ddp.micro_batch_mean_gradient(before, micro_batches, ctx.device, mode)
+        checks.append((counter.syncs, under_ddp.gradient_gap(model, reference)))
     return checks
 
 
@@ -229,9 +229,9 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 @needs_gpu
 def test_cuda_fp16_underflow_and_unscale_ratio():
     device = torch.device("cuda", 0)
-    lost = mixed_precision.underflow(device=device)
+    lost = precision.underflow(device=device)
     assert lost["fp16, no scaling"]["zero_fraction"] == 1.0 and lost["fp16 + GradScaler"]["lost_fraction"] < 0.01
-    clip = mixed_precision.clipping_with_and_without_unscale(scale=2.0**8, device=device)
+    clip = precision.clipping_with_and_without_unscale(scale=2.0**8, device=device)
     assert clip["without unscale_"]["norm_seen_by_clip"] == 2.0**8 * clip["with unscale_"]["norm_seen_by_clip"]
 
 
@@ -242,17 +242,17 @@ def test_cuda_modes_report_peak_memory_and_timing():
     assert modes[0] == "fp32" and modes[-1] == "fp16" and set(modes) | set(skipped) == {"fp32", "tf32", "bf16", "fp16"}
     images, labels = torch.randn(32, 3, 16, 16, device=device), torch.randint(10, (32,), device=device)
     before = torch.backends.cuda.matmul.allow_tf32
-    costs = mixed_precision.mode_costs(TinyCNN, images, labels, modes, steps=2)
+    costs = precision.mode_costs(TinyCNN, images, labels, modes, steps=2)
     assert all(c["peak_memory_bytes"] > 0 and c["step_s"] > 0 for c in costs.values())
     assert torch.backends.cuda.matmul.allow_tf32 is before  # mode_costs restores the tf32 setting
 
 
 @needs_gpu
 def test_cuda_tf32_matmul_is_coarser_and_restores_the_setting():
-    reason = mixed_precision.tf32_unavailable("cuda")
+    reason = precision.tf32_unavailable("cuda")
     if reason:
         pytest.skip(reason)
     before = torch.get_float32_matmul_precision()
-    matmul = mixed_precision.tf32_matmul("cuda", size=2048, repeats=3)
+    matmul = precision.tf32_matmul("cuda", size=2048, repeats=3)
     assert matmul["tf32"]["relative_error"] > 10 * matmul["fp32"]["relative_error"]
     assert torch.get_float32_matmul_precision() == before

@@ -30,10 +30,10 @@ def scale_loop_diagram():
 
 def make(save):
     from labsrc import launch
-    from labsrc import mixed_precision as precision
+    from labsrc.lessons.mixed_precision import precision
     from labsrc.core.plan import make_plan
-    from labsrc.labs.mixed_precision import AmpStep, ModeCost
-    from labsrc.plots import mixed_precision as plots
+    from labsrc.lessons.mixed_precision.lab import AmpStep, ModeCost
+    from labsrc.lessons.mixed_precision import plots
     plan = make_plan()
     save("underflow", plots.underflow_bars(precision.underflow(device=plan.device)).figure)
     experiment = precision.scaler_experiment(device=plan.device)

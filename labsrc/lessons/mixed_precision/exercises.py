@@ -7,7 +7,7 @@ import torch
 from torch.nn import functional as F
 
 from labsrc.core.exercises import ExerciseFailed, passed
-from labsrc.mixed_precision import gradient_norm, small_model, toy_batch
+from labsrc.lessons.mixed_precision.precision import gradient_norm, small_model, toy_batch
 
 INIT_SCALE = 2.0**8
 GROWTH_INTERVAL = 2

@@ -1,7 +1,7 @@
 """Mixed precision on n ranks: step time and memory per mode, the bytes DDP all-reduces per mode, AMP under DDP.
 
     python -m labsrc.launch --nproc 2 mixed_precision -- --micro-steps 4
-    torchrun --nproc-per-node 2 -m labsrc.labs.mixed_precision --profile ci
+    torchrun --nproc-per-node 2 -m labsrc.lessons.mixed_precision.lab --profile ci
 """
 from __future__ import annotations
 
@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import mixed_precision, mixed_precision_ddp
 from labsrc.core.lab import resolve_profile, run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
 from labsrc.lessons.dp_vs_ddp import sync
+from labsrc.lessons.mixed_precision import precision, under_ddp
 from labsrc.training import benchmark, data
 from labsrc.training.models import build_model
 
@@ -177,7 +177,7 @@ def amp_ddp_accumulation(ctx, records, profile, options: Options) -> str:
     """
     torch.manual_seed(options.seed)
     model = DDP(build_model(profile.model).to(ctx.device))
-    counter = mixed_precision_ddp.CountingHook()  # DDP's default all-reduce, counted
+    counter = under_ddp.CountingHook()  # DDP's default all-reduce, counted
     model.register_comm_hook(None, counter.hook)
     gradient_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
@@ -191,16 +191,16 @@ def amp_ddp_accumulation(ctx, records, profile, options: Options) -> str:
         micro_batches = [next(batches) for _ in range(options.micro_steps)]
         before = copy.deepcopy(model.module)  # the parameters this step starts from
         counter.syncs, counter.bytes_by_dtype = 0, {}
-        loss = mixed_precision_ddp.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode)
+        loss = under_ddp.accumulation_step(model, optimizer, scaler, micro_batches, ctx.device, mode)
         syncs, sent = counter.syncs, sum(counter.bytes_by_dtype.values())
-        reference = mixed_precision_ddp.micro_batch_mean_gradient(before, micro_batches, ctx.device, mode)
+        reference = under_ddp.micro_batch_mean_gradient(before, micro_batches, ctx.device, mode)
         scale = torch.tensor([scaler.get_scale() if scaler.is_enabled() else 1.0], device=ctx.device)
         records.write(AmpStep(step=step, loss=loss.item(), mean_loss=mean_over_ranks(loss, ctx), mode=mode,
                               micro_batch=micro_batch, scaler_enabled=scaler.is_enabled(), scale=scale.item(),
                               scale_spread=sync.spread_across_ranks([scale]),
                               parameter_spread=sync.spread_across_ranks(list(model.parameters())),
                               allreduce_syncs=syncs, allreduced_bytes=sent, gradient_bytes=gradient_bytes,
-                              gradient_gap=mixed_precision_ddp.gradient_gap(model, reference)))
+                              gradient_gap=under_ddp.gradient_gap(model, reference)))
         records.progress(step + 1, steps, unit="steps")
     return mode
 
@@ -211,15 +211,15 @@ def mixed_precision_lab(ctx, records, options: Options) -> dict:
     modes, skipped = modes_for(ctx.device)
     dataset = data.synthetic_images(profile.global_batch, profile.image_size, seed=options.seed)
     images, labels = (t.to(ctx.device) for t in dataset.tensors)
-    costs = mixed_precision.mode_costs(lambda: build_model(profile.model), images, labels, modes,
+    costs = precision.mode_costs(lambda: build_model(profile.model), images, labels, modes,
                                        steps=options.timed_steps, seed=options.seed,
                                        growth_interval=options.growth_interval)
     for mode, cost in costs.items():
         records.write(ModeCost(mode=mode, **cost))
     for mode, reason in skipped.items():
         records.write(SkippedMode(mode=mode, reason=reason))
-    for mode in mixed_precision_ddp.MESSAGE_MODES:
-        counted = mixed_precision_ddp.message_bytes(lambda: build_model(profile.model), images[:options.message_batch],
+    for mode in under_ddp.MESSAGE_MODES:
+        counted = under_ddp.message_bytes(lambda: build_model(profile.model), images[:options.message_batch],
                                                     labels[:options.message_batch], mode, seed=options.seed)
         records.write(GradientBytes(mode=mode, **counted))
     amp_mode = amp_ddp_accumulation(ctx, records, profile, options)

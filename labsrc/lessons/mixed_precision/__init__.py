@@ -1,0 +1,1 @@
+"""Lesson 05, mixed precision: formats, underflow, loss scaling, AMP under DDP."""
