@@ -15,13 +15,13 @@ import torch
 
 from labsrc.core.hardware import Hardware, detect
 from labsrc.core.world import RankContext, RequestError, validate_request
-from labsrc.labs.bench import Options
-from labsrc.performance_scaling_bench import run_benchmark
+from labsrc.lessons.performance_scaling.bench import run_benchmark
+from labsrc.lessons.performance_scaling.lab_bench import Options
 from labsrc.training import benchmark
 
 
 def parser():
-    """The command line: one flag per field of labsrc.labs.bench.Options, its help the field's docstring."""
+    """The command line: one flag per field of labsrc.lessons.performance_scaling.lab_bench.Options, its help the field's docstring."""
     return Options.parser(__doc__.splitlines()[0])
 
 

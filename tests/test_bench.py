@@ -169,7 +169,7 @@ def test_command_line_bad_value_exits_2_without_traceback():
 
 def test_device_and_rank_limit_follow_the_given_hardware():
     from labsrc.core.hardware import simulated
-    from labsrc.labs.bench import Options
+    from labsrc.lessons.performance_scaling.lab_bench import Options
     assert bench.device_for(simulated(gpus=2)) == torch.device("cuda", 0)
     assert bench.device_for(simulated(gpus=0)) == torch.device("cpu")
     bench.check_request(Options.make(world_size=8), simulated(gpus=8))  # one NCCL rank per GPU: fine

@@ -4,7 +4,7 @@ import math
 import pytest
 
 from labsrc.core.exercises import ExerciseFailed, load_solution
-from labsrc.exercises import performance_scaling as checkers
+from labsrc.lessons.performance_scaling import exercises as checkers
 
 
 def solution(name):

@@ -29,11 +29,11 @@ pytest.importorskip("nbgrader", reason="nbgrader is an extra: pip install -r req
 nbformat = pytest.importorskip("nbformat")
 
 from labsrc.core.exercises import ExerciseFailed, load_solution  # noqa: E402
-from labsrc.exercises.performance_scaling import check_predict_step_time  # noqa: E402
 from labsrc.grading import __main__ as grading  # noqa: E402
 from labsrc.grading.course import REPO, Course  # noqa: E402
 from labsrc.grading.exercises import read_lesson  # noqa: E402
 from labsrc.grading.summary import report  # noqa: E402
+from labsrc.lessons.performance_scaling.exercises import check_predict_step_time  # noqa: E402
 
 LESSON = "06_performance_scaling"  # three exercises whose checkers are arithmetic: the sheet grades in seconds
 AS_ROOT = os.geteuid() == 0 and os.environ.get("LABSRC_GRADING_SYSTEM_USERS") != "0"  # 0: the fallback, as root too

@@ -9,7 +9,7 @@ import dataclasses
 import torch
 
 from labsrc.core.world import RankContext
-from labsrc.performance_scaling import gradient_bytes
+from labsrc.lessons.performance_scaling.scaling import gradient_bytes
 from labsrc.training import benchmark, data
 from labsrc.training.models import build_model
 

@@ -11,7 +11,7 @@ from labsrc.core.lab import run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
-from labsrc.performance_scaling_bench import run_benchmark
+from labsrc.lessons.performance_scaling.bench import run_benchmark
 
 MODELS = ("tiny_cnn", "resnet18", "resnet50")
 PRECISIONS = ("fp32", "tf32", "bf16", "fp16")

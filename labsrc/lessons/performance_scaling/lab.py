@@ -1,7 +1,7 @@
 """Scaling on n ranks: DDP step time and the same step without communication, per batch size, and an all-reduce fit.
 
     launch.run("performance_scaling", nproc=2, batches=(32, 64), steps=5)
-    torchrun --nproc-per-node 2 -m labsrc.labs.performance_scaling --profile ci --batches 32 64
+    torchrun --nproc-per-node 2 -m labsrc.lessons.performance_scaling.lab --profile ci --batches 32 64
 """
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labsrc import performance_scaling
 from labsrc.core.lab import resolve_profile, run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RankContext, RequestError
+from labsrc.lessons.performance_scaling import scaling
 from labsrc.techniques import alpha_beta, collectives
 from labsrc.training import data
 from labsrc.training.models import build_model
@@ -92,12 +92,12 @@ def measure(ctx, profile, per_rank_batch: int, steps: int, seed: int = 0, ddp: b
     own_data = RankContext(0, 0, 1, ctx.device, "")  # every rank draws from its whole copy: no sharding
     batches = iter(data.DeviceBatches(dataset, per_rank_batch, own_data, seed=seed))
     if ddp:
-        step_s, local_s = performance_scaling.paired_step_times(wrapped, batches, optimizer, ctx.device, steps,
+        step_s, local_s = scaling.paired_step_times(wrapped, batches, optimizer, ctx.device, steps,
                                                                 wrapped.no_sync, warmup=WARMUP_STEPS)
     else:
-        step_s = local_s = performance_scaling.step_times(wrapped, batches, optimizer, ctx.device, steps)
+        step_s = local_s = scaling.step_times(wrapped, batches, optimizer, ctx.device, steps)
     return {"per_rank_batch": per_rank_batch, "step_s": step_s, "local_step_s": local_s,
-            "gradient_bytes": performance_scaling.gradient_bytes(model), "allreduced_bytes": counted["bytes"],
+            "gradient_bytes": scaling.gradient_bytes(model), "allreduced_bytes": counted["bytes"],
             "ddp_steps": (WARMUP_STEPS + steps) if ddp else 0}
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from labsrc import performance_scaling
 from labsrc.core.exercises import ExerciseFailed, passed
+from labsrc.lessons.performance_scaling import scaling
 from labsrc.techniques.alpha_beta import AlphaBeta, ring_allreduce_time_s
 
 LINKS = (AlphaBeta(5e-6, 1 / 50e9, float("nan")), AlphaBeta(2e-6, 1 / 450e9, float("nan")))
@@ -36,7 +36,7 @@ def ring_mistakes(nbytes: float, n: int, link: AlphaBeta) -> dict[str, float]:
 
 def _step_verdict(predict: Callable, compute_s: float, nbytes: float, n: int, link: AlphaBeta,
                   overlap: float) -> str | None:
-    expected = performance_scaling.predict_step_s(compute_s, nbytes, n, link, overlap)
+    expected = scaling.predict_step_s(compute_s, nbytes, n, link, overlap)
     got = predict(compute_s, nbytes, n, link, overlap)
     if close(got, expected):
         return None
@@ -69,7 +69,7 @@ def check_predict_step_time(predict_step_time: Callable) -> None:
 
 
 def _tree_verdict(nbytes: float, n: int, link: AlphaBeta, got) -> str | None:
-    expected = performance_scaling.tree_time_s(nbytes, n, 1, nvlink=link, nic=link, nics_per_node=1)
+    expected = scaling.tree_time_s(nbytes, n, 1, nvlink=link, nic=link, nics_per_node=1)
     if close(got, expected):
         return None
     if close(got, 2 * (n - 1) * link.alpha_s + 2 * nbytes * link.beta_s_per_byte):
@@ -112,7 +112,7 @@ def check_largest_world(largest_world: Callable) -> None:
     for compute_s, nbytes in STEP_CASES:
         for efficiency in (0.8, 0.9):
             link = LINKS[0]
-            expected = performance_scaling.gpus_above(efficiency, compute_s, nbytes, link)
+            expected = scaling.gpus_above(efficiency, compute_s, nbytes, link)
             got = largest_world(compute_s, nbytes, link, efficiency)
             where = f"compute {compute_s} s, {nbytes:.3g} bytes, efficiency {efficiency}"
             if got == expected:
@@ -120,7 +120,7 @@ def check_largest_world(largest_world: Callable) -> None:
             if got == expected + 1:
                 raise ExerciseFailed(f"{where}: {got} is the first n BELOW the target (off by one); return the "
                                      "last n that still reaches it.")
-            if isinstance(got, int) and got > 1 and compute_s / performance_scaling.predict_step_s(
+            if isinstance(got, int) and got > 1 and compute_s / scaling.predict_step_s(
                     compute_s, nbytes, got, link) < efficiency:
                 raise ExerciseFailed(f"{where}: at n={got} the model's efficiency is below {efficiency}.")
             raise ExerciseFailed(f"{where}: expected n={expected}, got {got!r}; efficiency = compute / "
