@@ -82,7 +82,7 @@ def measure(options: Options, hardware: Hardware) -> dict:
 def main(argv: list[str] | None = None, hardware: Hardware | None = None) -> int:
     """The command; a bad option exits with status 2 and what to do, before any work starts."""
     if (sys.argv[1:] if argv is None else argv)[:1] == ["nodes"]:
-        from labsrc.across_nodes_bench import main as nodes_main
+        from labsrc.lessons.across_nodes.bench import main as nodes_main
         return nodes_main((sys.argv[1:] if argv is None else argv)[1:])
     options = Options.parse(argv)
     hardware = hardware or detect()

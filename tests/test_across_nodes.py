@@ -4,20 +4,19 @@ check), each parallelism's bytes per step, local SGD; the lab on one host and on
 
 import pytest
 
-from labsrc import across_nodes, across_nodes_analysis, across_nodes_model as model, across_nodes_training
 from labsrc.async_parameter_server import Problem
 from labsrc.core.forked import run_ranks
 from labsrc.core.world import RequestError
-from labsrc.labs import across_nodes as lab
+from labsrc.lessons.across_nodes import analysis, cost_model as model, hierarchy, lab, traffic
 from labsrc.techniques.alpha_beta import AlphaBeta, ring_allreduce_time_s
 
 LAYOUTS = [(2, 2), (4, 1), (1, 2), (2, 3), (3, 2)]
 
 
 def _hierarchical(ctx, nodes, per_node, sizes):
-    topology = across_nodes.Topology(nodes, per_node)
-    groups = across_nodes.make_groups(ctx.rank, topology)
-    return groups.inside_ranks, groups.across_ranks, across_nodes.check_hierarchical(ctx.rank, groups, sizes)
+    topology = hierarchy.Topology(nodes, per_node)
+    groups = hierarchy.make_groups(ctx.rank, topology)
+    return groups.inside_ranks, groups.across_ranks, hierarchy.check_hierarchical(ctx.rank, groups, sizes)
 
 
 @pytest.mark.parametrize("nodes, per_node", LAYOUTS)
@@ -36,28 +35,28 @@ def test_hierarchical_all_reduce_equals_dist_all_reduce_and_sends_one_shard_acro
 
 def test_payload_through_a_node_link():
     """flat: one ring edge leaves each node, 2(n-1) steps of nbytes/n; hierarchical: 2(N-1)/N nbytes of shards."""
-    assert model.link_payload_bytes("flat", 1e6, across_nodes.Topology(2, 2)) == pytest.approx(1.5e6)
-    assert model.link_payload_bytes("flat", 1e6, across_nodes.Topology(4, 1)) == pytest.approx(1.5e6)
-    assert model.link_payload_bytes("hierarchical", 1e6, across_nodes.Topology(2, 2)) == pytest.approx(1e6)
-    assert model.link_payload_bytes("hierarchical", 1e6, across_nodes.Topology(4, 8)) == pytest.approx(1.5e6)
+    assert model.link_payload_bytes("flat", 1e6, hierarchy.Topology(2, 2)) == pytest.approx(1.5e6)
+    assert model.link_payload_bytes("flat", 1e6, hierarchy.Topology(4, 1)) == pytest.approx(1.5e6)
+    assert model.link_payload_bytes("hierarchical", 1e6, hierarchy.Topology(2, 2)) == pytest.approx(1e6)
+    assert model.link_payload_bytes("hierarchical", 1e6, hierarchy.Topology(4, 8)) == pytest.approx(1.5e6)
 
 
 def test_interface_counter_reads_this_namespace(monkeypatch):
-    assert across_nodes.interface_sent_bytes("lo") >= 0
+    assert hierarchy.interface_sent_bytes("lo") >= 0
     with pytest.raises(ValueError, match="no interface"):
-        across_nodes.interface_sent_bytes("no-such-interface")
+        hierarchy.interface_sent_bytes("no-such-interface")
     monkeypatch.delenv("LABSRC_NODE_ADDRESS", raising=False)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth0")
-    assert across_nodes.node_interface() is None, "on one host the loopback counts both levels: nothing to read"
+    assert hierarchy.node_interface() is None, "on one host the loopback counts both levels: nothing to read"
 
 
 def test_topology_from_torchrun_environment(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    topology = across_nodes.Topology.from_environment(4)
+    topology = hierarchy.Topology.from_environment(4)
     assert (topology.nodes, topology.ranks_per_node, topology.node_of(3)) == (2, 2, 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
     with pytest.raises(ValueError, match="whole nodes"):
-        across_nodes.Topology.from_environment(4)
+        hierarchy.Topology.from_environment(4)
 
 
 SLOW = AlphaBeta(50e-6, 1 / 12.5e6, 1.0)  # 100 Mbit/s, 50 us
@@ -65,9 +64,9 @@ FAST = AlphaBeta(20e-6, 1 / 2e9, 1.0)  # loopback-like
 
 
 def test_flat_ring_over_nodes_is_the_ring_formula_on_the_slow_link():
-    topology = across_nodes.Topology(2, 2)
+    topology = hierarchy.Topology(2, 2)
     assert model.flat_ring_time_s(1e6, topology, FAST, SLOW) == pytest.approx(ring_allreduce_time_s(1e6, 4, SLOW))
-    one_node = across_nodes.Topology(1, 4)
+    one_node = hierarchy.Topology(1, 4)
     assert model.flat_ring_time_s(1e6, one_node, FAST, SLOW) == pytest.approx(ring_allreduce_time_s(1e6, 4, FAST))
 
 
@@ -75,23 +74,23 @@ def test_flat_ring_over_nodes_is_the_ring_formula_on_the_slow_link():
 def test_hierarchical_speedup_tends_to_its_limit(nodes, per_node):
     link = AlphaBeta(0.0, SLOW.beta_s_per_byte, 1.0)
     limit = (nodes * per_node - 1) / (per_node * (nodes - 1))
-    topology = across_nodes.Topology(nodes, per_node)
+    topology = hierarchy.Topology(nodes, per_node)
     assert model.predicted_speedup(1e9, topology, AlphaBeta(0.0, 1e-15, 1.0), link) == pytest.approx(limit, rel=1e-4)
 
 
 def test_lesson06_model_is_the_hierarchical_one_and_the_flat_one_with_one_rank_per_node():
     big = 64e6
-    assert model.lesson06_time_s(big, across_nodes.Topology(2, 2), FAST, SLOW) == pytest.approx(
-        model.hierarchical_time_s(big, across_nodes.Topology(2, 2), FAST, SLOW), rel=1e-3)
-    assert model.lesson06_time_s(big, across_nodes.Topology(4, 1), None, SLOW) == pytest.approx(
-        model.flat_ring_time_s(big, across_nodes.Topology(4, 1), None, SLOW))
+    assert model.lesson06_time_s(big, hierarchy.Topology(2, 2), FAST, SLOW) == pytest.approx(
+        model.hierarchical_time_s(big, hierarchy.Topology(2, 2), FAST, SLOW), rel=1e-3)
+    assert model.lesson06_time_s(big, hierarchy.Topology(4, 1), None, SLOW) == pytest.approx(
+        model.flat_ring_time_s(big, hierarchy.Topology(4, 1), None, SLOW))
 
 
 @pytest.mark.parametrize("algorithm", sorted(model.MODELS))
 def test_the_model_check_fails_when_the_inside_link_is_used_for_the_inter_node_hop(algorithm):
     """Times measured on a slow link (here: made by the right model, 10% slower): the right model passes the
     25% check, the same model with the inside link on the across hop fails it at every size."""
-    topology = across_nodes.Topology(2, 2)
+    topology = hierarchy.Topology(2, 2)
     for nbytes in (125e3, 500e3, 1e6):
         measured = 1.1 * model.MODELS[algorithm](nbytes, topology, FAST, SLOW)
         assert model.judge(measured, model.MODELS[algorithm](nbytes, topology, FAST, SLOW))
@@ -119,8 +118,8 @@ def test_bytes_per_step_of_each_parallelism():
 
 
 def _schemes(ctx, layers):
-    groups = across_nodes.make_groups(ctx.rank, across_nodes.Topology(2, 2))
-    return across_nodes_training.time_schemes(ctx.rank, groups, layers, repeats=1)
+    groups = hierarchy.make_groups(ctx.rank, hierarchy.Topology(2, 2))
+    return traffic.time_schemes(ctx.rank, groups, layers, repeats=1)
 
 
 def test_each_scheme_sends_its_bytes_on_each_level():
@@ -136,7 +135,7 @@ def test_each_scheme_sends_its_bytes_on_each_level():
 
 
 def _local_sgd(ctx):
-    return across_nodes_training.local_sgd_runs(ctx.rank, ctx.world_size, Problem(features=64, samples=256),
+    return traffic.local_sgd_runs(ctx.rank, ctx.world_size, Problem(features=64, samples=256),
                                                 steps=12, everies=(1, 4, 5), lr=0.05)
 
 
@@ -162,8 +161,8 @@ def _assert_mechanism(result, nodes, per_node):
     for row in layouts:  # torchrun's GROUP_RANK says where each rank runs, without the rank arithmetic
         assert row["node"] == row["node_rank"], row
         assert row["inside_ranks"] == sorted(r["rank"] for r in layouts if r["node_rank"] == row["node_rank"]), row
-    assert all(r["max_error"] == 0.0 for r in across_nodes_analysis.hierarchical_checks(result))
-    assert {row["algorithm"] for row in across_nodes_analysis.all_reduce_rows(result)} == {"flat", "hierarchical"}
+    assert all(r["max_error"] == 0.0 for r in analysis.hierarchical_checks(result))
+    assert {row["algorithm"] for row in analysis.all_reduce_rows(result)} == {"flat", "hierarchical"}
     return layouts
 
 
@@ -174,8 +173,8 @@ def test_lab_on_one_host():
                         experiments=("link", "all_reduce"), link_seconds=0.01, repeats=1)
     layouts = _assert_mechanism(result, 2, 2)
     assert all(r["link_bits"] is None and r["node_address"] == "" for r in layouts)
-    assert across_nodes_analysis.throughput_ratio(result) is None
-    assert across_nodes_analysis.link_bytes_rows(result) == []
+    assert analysis.throughput_ratio(result) is None
+    assert analysis.link_bytes_rows(result) == []
 
 
 @pytest.mark.slow
@@ -190,7 +189,7 @@ def test_lab_on_emulated_nodes():
     layouts = _assert_mechanism(result, 2, 2)
     assert sorted({(r["node"], r["node_address"]) for r in layouts}) == [(0, "198.18.0.1"), (1, "198.18.0.2")]
     assert all(r["link_bits"] == 10**9 for r in layouts)
-    sent = {row["algorithm"]: row["ratio"] for row in across_nodes_analysis.link_bytes_rows(result)}
+    sent = {row["algorithm"]: row["ratio"] for row in analysis.link_bytes_rows(result)}
     assert set(sent) == {"flat", "hierarchical"}
     assert all(1 <= ratio <= 1 + model.LINK_OVERHEAD for ratio in sent.values()), sent
 
@@ -218,7 +217,7 @@ def test_bench_nodes_says_why_it_cannot_run_and_refuses_a_bad_rate(monkeypatch, 
 
 def test_bench_nodes_report_judges_each_target():
     """The report of a run whose throughput missed its target says so, and the rate's verdict is False."""
-    from labsrc import across_nodes_bench
+    from labsrc.lessons.across_nodes import bench as across_nodes_bench
 
     class Result:
         summary = {"nodes": 4, "ranks_per_node": 1, "link_bits": 10**8,

@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.distributed.nn.functional as distributed_functional
 
 from labsrc.core.exercises import ExerciseFailed, load_solution
-from labsrc.exercises import model_tensor_parallel as checkers
+from labsrc.lessons.model_tensor_parallel import exercises as checkers
 
 
 def test_column_shard_solution_passes(capsys):

@@ -4,8 +4,7 @@ import re
 import pytest
 
 from labsrc.core.exercises import ExerciseFailed, load_solution
-from labsrc.exercises import pipeline_parallel as checkers
-from labsrc.pipeline_parallel import schedules
+from labsrc.lessons.pipeline_parallel import exercises as checkers, schedules
 
 
 def test_one_f_one_b_solution_passes():

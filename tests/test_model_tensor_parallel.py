@@ -2,14 +2,10 @@
 import pytest
 import torch
 
-from labsrc import model_tensor_parallel as tp
-from labsrc import model_tensor_parallel_cost as cost
-from labsrc import model_tensor_parallel_dtensor as library
-from labsrc import model_tensor_parallel_naive as naive
-from labsrc import model_tensor_parallel_vocab as vocab
 from labsrc.core.forked import RankError, run_ranks
 from labsrc.core.world import RequestError
-from labsrc.labs.model_tensor_parallel import Options
+from labsrc.lessons.model_tensor_parallel import cost, dtensor as library, layers as tp, naive, vocab
+from labsrc.lessons.model_tensor_parallel.lab import Options
 
 HIDDEN, HEADS, BATCH, SEQ = 32, 4, 2, 8
 

@@ -4,12 +4,10 @@ import torch
 
 from labsrc.core.forked import RankError, run_ranks
 from labsrc.core.world import RequestError
-from labsrc.labs import pipeline_parallel as lab
-from labsrc.pipeline_parallel import analysis, chunked, experiments, schedules
-from labsrc.pipeline_parallel import stages as stages_module
-from labsrc.pipeline_parallel.executor import run_stage
-from labsrc.pipeline_parallel.library import LIBRARY_SCHEDULES, TWO_STAGES_A_RANK, run_library_schedule
-from labsrc.pipeline_parallel.stages import (assert_part_matches, make_batch, make_model, split_model,
+from labsrc.lessons.pipeline_parallel import analysis, chunked, experiments, lab, schedules, stages as stages_module
+from labsrc.lessons.pipeline_parallel.executor import run_stage
+from labsrc.lessons.pipeline_parallel.library import LIBRARY_SCHEDULES, TWO_STAGES_A_RANK, run_library_schedule
+from labsrc.lessons.pipeline_parallel.stages import (assert_part_matches, make_batch, make_model, split_model,
                                              unsplit_gradients)
 
 
@@ -274,10 +272,10 @@ def test_saved_activations_of_a_split_backward_are_freed_at_their_w():
     """One stage, no messages: with B and W split, a micro-batch's activations leave the meter at its W (a meter
     holding the saved output itself kept the graph alive in a cycle, and the names bound in the executor kept the
     last one alive into the next forward), so the measured peak is what the list says, for W's early or late."""
-    from labsrc.pipeline_parallel import chunked
-    from labsrc.pipeline_parallel.chunked_executor import run_chunks
-    from labsrc.pipeline_parallel.executor import SavedTensorMeter
-    from labsrc.pipeline_parallel.stages import full_batch_loss, make_batch, make_model, split_model
+    from labsrc.lessons.pipeline_parallel import chunked
+    from labsrc.lessons.pipeline_parallel.chunked_executor import run_chunks
+    from labsrc.lessons.pipeline_parallel.executor import SavedTensorMeter
+    from labsrc.lessons.pipeline_parallel.stages import full_batch_loss, make_batch, make_model, split_model
     module = split_model(make_model(64, 2, 0), 1, torch.device("cpu"))[0][1]
     m = 4
     inputs, targets = make_batch(8 * m, 64, 0, torch.device("cpu"))

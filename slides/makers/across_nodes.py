@@ -7,9 +7,10 @@ from __future__ import annotations
 
 def make(save):
     import matplotlib.pyplot as plt
-    from labsrc import across_nodes_analysis as analysis, launch
+    from labsrc import launch
+    from labsrc.lessons.across_nodes import analysis
     from labsrc.core import emulated_nodes
-    from labsrc.plots import across_nodes as plots
+    from labsrc.lessons.across_nodes import plots
     link = "100mbit" if emulated_nodes.availability().ok else None
     two = launch.run("across_nodes", nproc=2, nnodes=2, link=link, timeout=240, echo=False,
                      experiments=("link", "all_reduce", "parallelism"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 def make(save):
     from labsrc import launch
     from labsrc.core.plan import make_plan
-    from labsrc.plots import model_tensor_parallel as plots
+    from labsrc.lessons.model_tensor_parallel import plots
     plan = make_plan()
     result = launch.run("model_tensor_parallel", nproc=plan.world_size, timeout=180)
     save("shard_layout", plots.shard_layout(result, "mlp"))

@@ -5,9 +5,9 @@ from __future__ import annotations
 def make(save):
     from labsrc import launch
     from labsrc.core.plan import make_plan
-    from labsrc.labs.pipeline_parallel import ActionTiming
-    from labsrc.pipeline_parallel import analysis
-    from labsrc.plots import pipeline_parallel as plots
+    from labsrc.lessons.pipeline_parallel.lab import ActionTiming
+    from labsrc.lessons.pipeline_parallel import analysis
+    from labsrc.lessons.pipeline_parallel import plots
     plan = make_plan()
     stages, m = plan.world_size, 4
     result = launch.run("pipeline_parallel", nproc=stages, timeout=600, backend=plan.backend, check_micro_batches=m)

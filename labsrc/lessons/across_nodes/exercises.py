@@ -12,9 +12,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from labsrc.across_nodes import Topology, make_groups, rank_values, watching
-from labsrc.across_nodes_model import predicted_speedup
 from labsrc.core.exercises import ExerciseFailed, on_ranks, passed
+from labsrc.lessons.across_nodes.cost_model import predicted_speedup
+from labsrc.lessons.across_nodes.hierarchy import Topology, make_groups, rank_values, watching
 from labsrc.techniques.alpha_beta import AlphaBeta
 
 TOPOLOGIES = ((2, 2), (3, 2), (2, 3))

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from labsrc.across_nodes import Topology
+from labsrc.lessons.across_nodes.hierarchy import Topology
+from labsrc.lessons.model_tensor_parallel.cost import data_parallel_messages, tensor_parallel_messages
 from labsrc.lessons.performance_scaling.scaling import ring_time_s
-from labsrc.model_tensor_parallel_cost import data_parallel_messages, tensor_parallel_messages
 from labsrc.techniques import alpha_beta
 from labsrc.techniques.alpha_beta import AlphaBeta
 

@@ -12,12 +12,12 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar
 
-from labsrc import across_nodes, across_nodes_model, across_nodes_training
 from labsrc.async_parameter_server import Problem
 from labsrc.core.lab import run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
+from labsrc.lessons.across_nodes import cost_model, hierarchy, traffic
 
 LINK_BITS_ENV = "LABSRC_LINK_BITS"
 LOOPBACK_BYTES_PER_S = 1e8
@@ -199,32 +199,32 @@ def measure_link(ctx, records, topology, groups, elements, repeats) -> dict:
     """The levels' links: inside, the hierarchy's inside phases; across, a 4-byte ping-pong and streams of each size."""
     fits, rate = {}, link_rate_bytes()
     if topology.ranks_per_node > 1:
-        inside = across_nodes.time_all_reduces(groups, elements, repeats, {"inside": across_nodes.inside_phases})
+        inside = hierarchy.time_all_reduces(groups, elements, repeats, {"inside": hierarchy.inside_phases})
         fastest = {4 * size: min(seconds) for (_, size), seconds in inside.items()}
         for nbytes, seconds in fastest.items() if ctx.rank == 0 else ():
             records.write(InsidePoint(nbytes, seconds))
-        fits["inside"] = dataclasses.asdict(across_nodes_model.fit_inside(fastest, topology.ranks_per_node))
+        fits["inside"] = dataclasses.asdict(cost_model.fit_inside(fastest, topology.ranks_per_node))
     if topology.nodes > 1:
-        pair = across_nodes.across_pair(topology)
-        latency = across_nodes.ping_pong_s(ctx.rank, pair, 4, repeats)
+        pair = hierarchy.across_pair(topology)
+        latency = hierarchy.ping_pong_s(ctx.rank, pair, 4, repeats)
         streamed = {}
         for size in elements:
             messages = max(2, STREAM_COPIES * elements[-1] // size)
-            seconds = across_nodes.stream_s(ctx.rank, pair, 4 * size, messages)
+            seconds = hierarchy.stream_s(ctx.rank, pair, 4 * size, messages)
             if ctx.rank == pair[0]:
                 streamed[4 * size] = seconds
                 records.write(LinkPoint(4 * size, messages, seconds))
         if ctx.rank == pair[0]:
             records.write(Latency(latency))
             records.write(Throughput(4 * elements[-1] / streamed[4 * elements[-1]], rate))
-            fits["across"] = dataclasses.asdict(across_nodes_model.fit_link(streamed, latency))
+            fits["across"] = dataclasses.asdict(cost_model.fit_link(streamed, latency))
     return fits
 
 
 def across_nodes_lab(ctx, records, options: Options) -> dict:
-    topology = across_nodes.Topology.from_environment(ctx.world_size)
+    topology = hierarchy.Topology.from_environment(ctx.world_size)
     rate = link_rate_bytes()
-    groups = across_nodes.make_groups(ctx.rank, topology, options.pg_timeout_s)
+    groups = hierarchy.make_groups(ctx.rank, topology, options.pg_timeout_s)
     records.write(Layout(topology.node_of(ctx.rank), topology.nodes, topology.ranks_per_node,
                          os.environ.get("LABSRC_NODE_ADDRESS", ""), int(rate * 8) if rate else None,
                          int(os.environ.get("GROUP_RANK", 0)), groups.inside_ranks))
@@ -237,28 +237,28 @@ def across_nodes_lab(ctx, records, options: Options) -> dict:
         summary["fits"] = measure_link(ctx, records, topology, groups, elements, options.repeats)
     records.progress(1, steps)
     if "all_reduce" in options.experiments:
-        for row in across_nodes.check_hierarchical(ctx.rank, groups, [1, topology.world_size + 1, 1000, 4099]):
+        for row in hierarchy.check_hierarchical(ctx.rank, groups, [1, topology.world_size + 1, 1000, 4099]):
             records.write(HierarchicalCheck(**row))
-        algorithms = across_nodes.ALGORITHMS if topology.nodes > 1 and topology.ranks_per_node > 1 else \
-            {"flat": across_nodes.flat_all_reduce}  # one rank per node (or one node): hierarchical is the flat ring
-        timings = across_nodes.time_all_reduces(groups, elements, options.repeats, algorithms)
+        algorithms = hierarchy.ALGORITHMS if topology.nodes > 1 and topology.ranks_per_node > 1 else \
+            {"flat": hierarchy.flat_all_reduce}  # one rank per node (or one node): hierarchical is the flat ring
+        timings = hierarchy.time_all_reduces(groups, elements, options.repeats, algorithms)
         for (name, size), seconds in timings.items():
             records.write(AllReduceTiming(name, 4 * size, seconds, min(seconds)))
         for name in algorithms if topology.nodes > 1 else ():
-            sent = across_nodes.node_link_bytes(ctx.rank, groups, name, elements[-1])
+            sent = hierarchy.node_link_bytes(ctx.rank, groups, name, elements[-1])
             if sent is not None:
                 records.write(LinkBytes(name, 4 * elements[-1], sent))
     records.progress(2, steps)
     if "parallelism" in options.experiments and topology.nodes == 2 and topology.ranks_per_node == 2:
-        layers = across_nodes_model.layers_for(4 * elements[-1])
+        layers = cost_model.layers_for(4 * elements[-1])
         summary["layers"] = dataclasses.asdict(layers)
-        for row in across_nodes_training.time_schemes(ctx.rank, groups, layers, options.repeats):
+        for row in traffic.time_schemes(ctx.rank, groups, layers, options.repeats):
             records.write(SchemeTiming(**row, fastest_s=min(row["seconds"])))
     records.progress(3, steps)
     if "local_sgd" in options.experiments:
         problem = Problem(features=options.sgd_features, samples=1024, batch=32)
         summary["sgd_problem"] = dataclasses.asdict(problem)
-        for row in across_nodes_training.local_sgd_runs(ctx.rank, ctx.world_size, problem, options.sgd_steps,
+        for row in traffic.local_sgd_runs(ctx.rank, ctx.world_size, problem, options.sgd_steps,
                                                         options.sgd_everies, options.sgd_lr):
             records.write(LocalSgd(**row))
     records.progress(steps, steps)

@@ -7,11 +7,11 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from labsrc.pipeline_parallel import chunked, schedules
-from labsrc.pipeline_parallel.chunked_executor import run_chunks
-from labsrc.pipeline_parallel.executor import SavedTensorMeter, run_stage
-from labsrc.pipeline_parallel.library import TWO_STAGES_A_RANK, run_library_schedule, stages_held
-from labsrc.pipeline_parallel.stages import (full_batch_loss, gradient_error, gradient_scale, make_batch, make_model,
+from labsrc.lessons.pipeline_parallel import chunked, schedules
+from labsrc.lessons.pipeline_parallel.chunked_executor import run_chunks
+from labsrc.lessons.pipeline_parallel.executor import SavedTensorMeter, run_stage
+from labsrc.lessons.pipeline_parallel.library import TWO_STAGES_A_RANK, run_library_schedule, stages_held
+from labsrc.lessons.pipeline_parallel.stages import (full_batch_loss, gradient_error, gradient_scale, make_batch, make_model,
                                              split_model, unsplit_gradients)
 
 ActionsFunction = Callable[[int, int, int], list]

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional
 
-from labsrc import model_tensor_parallel as tp
+from labsrc.lessons.model_tensor_parallel import layers as tp
 
 
 class DenseLanguageModel(nn.Module):
@@ -125,7 +125,7 @@ def compare_loss_parallel(dense: DenseLanguageModel, ids: torch.Tensor, targets:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, loss_parallel,
                                                    parallelize_module)
-    from labsrc.model_tensor_parallel_dtensor import mesh_of, plain
+    from labsrc.lessons.model_tensor_parallel.dtensor import mesh_of, plain
     mesh = mesh_of(ids.device, (world_size,), ("tensor",))
     plan = {"embedding": RowwiseParallel(input_layouts=Replicate()),
             "head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)}

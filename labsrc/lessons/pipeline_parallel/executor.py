@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labsrc.pipeline_parallel.stages import full_batch_loss
+from labsrc.lessons.pipeline_parallel.stages import full_batch_loss
 from labsrc.training.timing import synchronize
 
 

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from labsrc.core.exercises import ExerciseFailed, on_ranks, passed
-from labsrc.pipeline_parallel import schedules
-from labsrc.pipeline_parallel.experiments import hand_written_error
+from labsrc.lessons.pipeline_parallel import schedules
+from labsrc.lessons.pipeline_parallel.experiments import hand_written_error
 
 CASES = [(2, 1), (2, 4), (3, 2), (3, 6), (4, 8), (4, 2), (4, 1)]
 """(stages p, micro-batches m) every schedule is checked on; (4, 2) and (4, 1) have m < p - 1, where the warm-up

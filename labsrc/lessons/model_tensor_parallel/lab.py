@@ -1,7 +1,7 @@
 """Layers split across ranks: the naive split, Megatron's column/row-parallel blocks, torch's tensor parallel API, the cost.
 
     python -m labsrc.launch --nproc 2 model_tensor_parallel
-    torchrun --nproc-per-node 2 -m labsrc.labs.model_tensor_parallel --hidden 128
+    torchrun --nproc-per-node 2 -m labsrc.lessons.model_tensor_parallel.lab --hidden 128
 Every experiment runs in this one launch; every result is compared with the unsplit model on the same rank.
 """
 from __future__ import annotations
@@ -11,14 +11,11 @@ from typing import ClassVar
 
 import torch
 
-from labsrc import model_tensor_parallel as tp
-from labsrc import model_tensor_parallel_cost as cost
-from labsrc import model_tensor_parallel_dtensor as library
-from labsrc import model_tensor_parallel_naive as naive
 from labsrc.core.lab import run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
+from labsrc.lessons.model_tensor_parallel import cost, dtensor as library, layers as tp, naive
 
 
 @dataclass

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from labsrc import across_nodes_analysis as analysis
-from labsrc.across_nodes_model import MODEL_TOLERANCE, THROUGHPUT_TOLERANCE
+from labsrc.lessons.across_nodes import analysis
+from labsrc.lessons.across_nodes.cost_model import MODEL_TOLERANCE, THROUGHPUT_TOLERANCE
 
 TOPOLOGIES = ((2, 2), (4, 1))
 """(nodes, ranks per node): two levels of network, and a ring with a link on every hop."""

@@ -1,7 +1,7 @@
 """Pipeline parallelism on p ranks: gradients of every schedule vs the unsplit model, the bubble, activation memory.
 
     python -m labsrc.launch --nproc 2 pipeline_parallel
-    torchrun --nproc-per-node 2 -m labsrc.labs.pipeline_parallel --repeats 5
+    torchrun --nproc-per-node 2 -m labsrc.lessons.pipeline_parallel.lab --repeats 5
 One launch runs every experiment: the gradient checks (hand-written naive, GPipe, 1F1B, interleaved 1F1B and zero
 bubble; torch's GPipe, 1F1B, interleaved 1F1B and two zero-bubble schedules), the timed GPipe sweep over
 micro-batch counts, timed 1F1B, interleaved and zero-bubble steps, saved-tensor peaks.
@@ -17,8 +17,8 @@ from labsrc.core.lab import run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
-from labsrc.pipeline_parallel import experiments, schedules
-from labsrc.pipeline_parallel.library import LIBRARY_SCHEDULES
+from labsrc.lessons.pipeline_parallel import experiments, schedules
+from labsrc.lessons.pipeline_parallel.library import LIBRARY_SCHEDULES
 
 
 @dataclass

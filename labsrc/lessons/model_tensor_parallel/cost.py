@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from labsrc import model_tensor_parallel as tp
+from labsrc.lessons.model_tensor_parallel import layers as tp
 from labsrc.techniques import alpha_beta
 
 NVLINK_H100 = alpha_beta.AlphaBeta(alpha_s=5e-6, beta_s_per_byte=1 / 450e9, r2=float("nan"))

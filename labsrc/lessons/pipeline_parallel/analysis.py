@@ -1,7 +1,7 @@
 """Numbers lesson 08 asserts, from the lab's records: timelines, measured idle fractions, activation peaks."""
 from __future__ import annotations
 
-from labsrc.pipeline_parallel import schedules
+from labsrc.lessons.pipeline_parallel import schedules
 
 
 def timeline_of(timings: list, schedule: str, micro_batches: int, repeat: int = 0) -> list[list[dict]]:
@@ -65,7 +65,7 @@ def replay(timeline: list[list[dict]]) -> list[list[dict]]:
     Every box waits for the same messages as in the run (F j after F j upstream, B j after B j downstream, W j after
     B j), so this is the step as the ranks' order makes it, in box slots, whatever the clock said.
     """
-    from labsrc.pipeline_parallel import chunked
+    from labsrc.lessons.pipeline_parallel import chunked
     lists = ran_order(timeline)
     if any(len(action) == 3 for actions in lists for action in actions):
         virtual_stages = 1 + max(action[2] for actions in lists for action in actions)

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labsrc import model_tensor_parallel as tp
+from labsrc.lessons.model_tensor_parallel import layers as tp
 
 
 def mesh_of(device: torch.device, shape: tuple[int, ...], names: tuple[str, ...]):

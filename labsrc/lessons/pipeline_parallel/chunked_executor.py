@@ -10,8 +10,8 @@ from datetime import timedelta
 import torch
 from torch import nn
 
-from labsrc.pipeline_parallel.executor import _finish_box, _receive, _send, _wait_for_send
-from labsrc.pipeline_parallel.stages import full_batch_loss
+from labsrc.lessons.pipeline_parallel.executor import _finish_box, _receive, _send, _wait_for_send
+from labsrc.lessons.pipeline_parallel.stages import full_batch_loss
 from labsrc.training.timing import synchronize
 
 
