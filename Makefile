@@ -92,10 +92,10 @@ slurm-packages:
 	else echo "Slurm is not installed: as root on Debian/Ubuntu run  apt-get install -y slurm-wlm munge  (the emulated cluster needs root)."; fi
 
 slurm-cluster: setup slurm-packages
-	$(PYTHON) -m labsrc.elastic_fault_tolerance_slurm
+	$(PYTHON) -m labsrc.lessons.elastic_fault_tolerance.membership_slurm
 
 slurm-cluster-stop: setup
-	$(PYTHON) -m labsrc.elastic_fault_tolerance_slurm --stop
+	$(PYTHON) -m labsrc.lessons.elastic_fault_tolerance.membership_slurm --stop
 
 test-slurm: setup slurm-packages
 	LABSRC_PROFILE=ci LABSRC_HEADLESS=1 MPLBACKEND=Agg $(PYTHON) -m pytest tests/test_slurm_cluster.py -rs --durations=10

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset, TensorDataset
 
-from labsrc.elastic_fault_tolerance_snapshot import load_checked, save_atomic
+from labsrc.lessons.elastic_fault_tolerance.snapshot import load_checked, save_atomic
 from labsrc.training import data
 from labsrc.training.loop import step
 from labsrc.training.models import build_model

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from labsrc.elastic_fault_tolerance import capture_rng, restore_rng
+from labsrc.lessons.elastic_fault_tolerance.resume import capture_rng, restore_rng
 
 
 def save(run, path):

@@ -1,7 +1,7 @@
 """Reference solution of notebook 10b's exercise: resume from the snapshot on disk, not from the restart counter."""
 from pathlib import Path
 
-from labsrc.elastic_fault_tolerance import load_snapshot
+from labsrc.lessons.elastic_fault_tolerance.resume import load_snapshot
 
 
 def resume_or_start(run, path):

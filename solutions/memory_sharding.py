@@ -1,7 +1,7 @@
 """Reference solutions of notebook 09's exercises (the segments for checkpointing; ZeRO-1's step)."""
 import torch
 
-from labsrc.memory_sharding_zero import flatten, unflatten_into
+from labsrc.lessons.memory_sharding.zero import flatten, unflatten_into
 from labsrc.techniques.collectives import all_gather, reduce_scatter
 
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from labsrc import capstone
-from labsrc import elastic_fault_tolerance_snapshot as snapshot_file
 from labsrc.capstone_training import RunSettings, train_run
 from labsrc.core.forked import run_ranks
 from labsrc.core.world import RankContext, RequestError
-from labsrc.elastic_fault_tolerance_snapshot import load_checked, save_atomic
 from labsrc.labs import capstone as lab
+from labsrc.lessons.elastic_fault_tolerance import snapshot as snapshot_file
+from labsrc.lessons.elastic_fault_tolerance.snapshot import load_checked, save_atomic
 
 
 def schedule(**changes):

@@ -1,9 +1,8 @@
 """DeepSpeed ZeRO stages 0-3 train the lesson's model step for step like one process (skipped without DeepSpeed)."""
 import pytest
 
-from labsrc import memory_sharding_deepspeed as ds
-from labsrc import memory_sharding_runs as runs
 from labsrc.core.forked import run_ranks
+from labsrc.lessons.memory_sharding import deepspeed_zero as ds, zero_runs as runs
 
 installed, reason = ds.available()
 pytestmark = pytest.mark.skipif(not installed, reason=reason)

@@ -4,13 +4,12 @@ import signal
 import pytest
 import torch
 
-from labsrc import elastic_fault_tolerance as eft
-from labsrc import elastic_fault_tolerance_analysis as analysis
 from labsrc.core.forked import run_ranks
 from labsrc.core.world import RequestError
-from labsrc.elastic_fault_tolerance_snapshot import (SnapshotCorrupt, crash_mid_write, load_checked, save_atomic,
+from labsrc.lessons.elastic_fault_tolerance import analysis, resume as eft
+from labsrc.lessons.elastic_fault_tolerance.lab import Options, Resume
+from labsrc.lessons.elastic_fault_tolerance.snapshot import (SnapshotCorrupt, crash_mid_write, load_checked, save_atomic,
                                                      temp_path)
-from labsrc.labs.elastic_fault_tolerance import Options, Resume
 
 
 def test_a_crash_mid_write_leaves_the_previous_snapshot_in_place(tmp_path):
@@ -134,7 +133,7 @@ def test_impossible_options_are_refused_with_advice(values, message):
 @pytest.mark.parametrize("render", ["sbatch", "node0", "node1"])
 def test_rendered_cluster_scripts_are_valid_bash_with_every_value_filled(tmp_path, render):
     import subprocess
-    from labsrc.elastic_fault_tolerance_cluster import ClusterJob, render_node_command, render_sbatch
+    from labsrc.lessons.elastic_fault_tolerance.cluster import ClusterJob, render_node_command, render_sbatch
     job = ClusterJob(nodes=2, min_nodes=1, gpus_per_node=4, endpoint_host="gpu-a01", port=29611,
                      socket_ifname="eno1", ib_hca="mlx5_0,mlx5_1", lab_args=("--epochs", "5"))
     text = render_sbatch(job) if render == "sbatch" else render_node_command(job, int(render[-1]))
@@ -155,7 +154,7 @@ def test_the_cpu_variant_asks_for_no_gpus_and_names_gloos_interface(tmp_path):
     """render_sbatch(job, gpus=False): a cluster without GPUs refuses --gpus-per-node; gloo reads GLOO_SOCKET_IFNAME.
     The GPU variant keeps both NCCL variables and the GPU request (tests/test_slurm_cluster.py runs the CPU one)."""
     import subprocess
-    from labsrc.elastic_fault_tolerance_cluster import ClusterJob, render_sbatch
+    from labsrc.lessons.elastic_fault_tolerance.cluster import ClusterJob, render_sbatch
     job = ClusterJob(nodes=2, min_nodes=1, gpus_per_node=1, cpus_per_task=1, kill_on_bad_exit=False,
                      torchrun_args=("--monitor-interval=0.1",))
     cpu, gpu = render_sbatch(job, gpus=False), render_sbatch(job)
@@ -172,7 +171,7 @@ def test_an_elastic_slurm_job_keeps_its_surviving_nodes():
     """Elastic (min_nodes < nodes): no srun --kill-on-bad-exit=1 (it would end the survivors), --no-kill on sbatch
     (Slurm would end the job on a lost node) and on srun (the step would die with its lost node); a fixed-size job
     keeps Slurm's fail-fast defaults."""
-    from labsrc.elastic_fault_tolerance_cluster import ClusterJob, render_sbatch
+    from labsrc.lessons.elastic_fault_tolerance.cluster import ClusterJob, render_sbatch
     elastic, fixed = render_sbatch(ClusterJob(nodes=4, min_nodes=2)), render_sbatch(ClusterJob(nodes=4))
     assert "--kill-on-bad-exit=0 --no-kill \\\n" in elastic and "#SBATCH --no-kill\n" in elastic and "--nnodes=2:4" in elastic
     assert "srun --ntasks-per-node=1 --kill-on-bad-exit=1 \\\n" in fixed and "#SBATCH --no-kill" not in fixed
@@ -186,7 +185,7 @@ def test_the_store_setting_the_demos_need_is_in_every_template_and_pinned_to_the
     from unittest import mock
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
     from labsrc.core.launch import OWN_STORE_ENV, OWN_STORE_TORCH, child_environment
-    from labsrc.elastic_fault_tolerance_cluster import ClusterJob, render_node_command, render_sbatch
+    from labsrc.lessons.elastic_fault_tolerance.cluster import ClusterJob, render_node_command, render_sbatch
     job = ClusterJob(nodes=2, min_nodes=1)
     for text in (render_sbatch(job), render_sbatch(job, gpus=False), render_node_command(job, 1)):
         assert f"export {OWN_STORE_ENV}=1" in text
@@ -208,19 +207,19 @@ def test_the_store_setting_the_demos_need_is_in_every_template_and_pinned_to_the
     ({"ib_hca": "eth0"}, "not an InfiniBand adapter"),
 ])
 def test_an_adapter_and_an_interface_swapped_are_refused_with_the_fix(values, message):
-    from labsrc.elastic_fault_tolerance_cluster import ClusterJob, render_sbatch
+    from labsrc.lessons.elastic_fault_tolerance.cluster import ClusterJob, render_sbatch
     with pytest.raises(RequestError, match=message):
         render_sbatch(ClusterJob(**values))
 
 
 def test_ip_over_infiniband_is_a_valid_socket_interface():
-    from labsrc.elastic_fault_tolerance_cluster import ClusterJob, render_sbatch
+    from labsrc.lessons.elastic_fault_tolerance.cluster import ClusterJob, render_sbatch
     assert "NCCL_SOCKET_IFNAME=ib0" in render_sbatch(ClusterJob(socket_ifname="ib0", ib_hca="mlx5"))
 
 
 def test_the_real_rendezvous_api_forms_a_group_of_one():
     from labsrc.core.launch_request import free_port
-    from labsrc.elastic_fault_tolerance_cluster import rendezvous_demo
+    from labsrc.lessons.elastic_fault_tolerance.cluster import rendezvous_demo
     info = rendezvous_demo(free_port())
     assert (info["handler"], info["backend"], info["rank"], info["world_size"]) == \
         ("DynamicRendezvousHandler", "c10d", 0, 1)
@@ -257,7 +256,7 @@ def test_three_failures_three_restarts_and_the_end_equals_the_uninterrupted_run(
 @pytest.mark.slow
 def test_an_elastic_run_shrinks_when_a_node_is_lost_and_grows_when_it_returns(runs_dir):
     from labsrc import launch
-    from labsrc.elastic_fault_tolerance_membership import shrink_then_grow
+    from labsrc.lessons.elastic_fault_tolerance.membership import shrink_then_grow
     started = launch.start("elastic_fault_tolerance", nproc=1, nnodes="1:2", timeout=240, max_restarts=3,
                            reference=False, epochs=8, step_sleep_s=0.3, pg_timeout_s=10, echo=False, check=False)
     try:

@@ -4,10 +4,9 @@ import math
 import pytest
 import torch
 
-from labsrc import elastic_fault_tolerance_at_scale as scale
-from labsrc import elastic_fault_tolerance_loader as loader
 from labsrc.core.forked import run_ranks
-from labsrc.elastic_fault_tolerance_snapshot import load_latest, save_keeping, snapshots
+from labsrc.lessons.elastic_fault_tolerance import at_scale as scale, loader
+from labsrc.lessons.elastic_fault_tolerance.snapshot import load_latest, save_keeping, snapshots
 
 
 @pytest.mark.parametrize("stop_after", [1, 3, 5])

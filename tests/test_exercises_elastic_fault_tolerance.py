@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from labsrc.core.exercises import ExerciseFailed, load_solution
-from labsrc.elastic_fault_tolerance import capture_rng
-from labsrc.exercises.elastic_fault_tolerance import check_snapshot
+from labsrc.lessons.elastic_fault_tolerance.exercises import check_snapshot
+from labsrc.lessons.elastic_fault_tolerance.resume import capture_rng
 
 save = load_solution("elastic_fault_tolerance", "save")
 load = load_solution("elastic_fault_tolerance", "load")
@@ -52,7 +52,7 @@ def load_tolerant(run, path):
             getattr(run, part).load_state_dict(state[part])
     run.steps_done = state.get("step", 0)
     if "rng" in state:
-        from labsrc.elastic_fault_tolerance import restore_rng
+        from labsrc.lessons.elastic_fault_tolerance.resume import restore_rng
         restore_rng(state["rng"])
 
 

@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from labsrc import elastic_fault_tolerance as eft
 from labsrc.core.exercises import ExerciseFailed, load_solution
-from labsrc.exercises.elastic_membership import check_resume
+from labsrc.lessons.elastic_fault_tolerance import resume as eft
+from labsrc.lessons.elastic_fault_tolerance.membership_exercises import check_resume
 
 resume_or_start = load_solution("elastic_membership", "resume_or_start")
 COUNTER = "TORCHELASTIC_RESTART_COUNT"

@@ -6,8 +6,8 @@ import torch
 from torch.distributed import all_reduce as all_reduce_bound_early  # a name the byte counter cannot rewrap
 
 from labsrc.core.exercises import ExerciseFailed, load_solution
-from labsrc.exercises import memory_sharding as checkers
-from labsrc.memory_sharding_zero import flatten, unflatten_into
+from labsrc.lessons.memory_sharding import exercises as checkers
+from labsrc.lessons.memory_sharding.zero import flatten, unflatten_into
 from labsrc.techniques.collectives import all_gather, reduce_scatter
 
 

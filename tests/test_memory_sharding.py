@@ -2,13 +2,11 @@
 import pytest
 import torch
 
-from labsrc import memory_sharding as memory
-from labsrc import memory_sharding_fsdp as production
-from labsrc import memory_sharding_runs as runs
 from labsrc.core.forked import run_ranks
-from labsrc.labs.memory_sharding import Options
 from labsrc.core.world import RequestError
-from labsrc.memory_sharding_zero import Traffic
+from labsrc.lessons.memory_sharding import memory, torch_sharding as production, zero_runs as runs
+from labsrc.lessons.memory_sharding.lab import Options
+from labsrc.lessons.memory_sharding.zero import Traffic
 
 DEPTH, WIDTH, LR = 2, 16, 0.01
 
@@ -42,7 +40,7 @@ def test_hand_written_stages_follow_one_process(stage, world_size):
 
 
 def _summed_not_averaged(ctx, trajectory, gradients):
-    from labsrc import memory_sharding_zero as zero
+    from labsrc.lessons.memory_sharding import zero
     original = zero.ShardedOptimizer.synchronize_gradients
 
     def times_n(self):  # the reduce-scattered sum, never divided by n
@@ -92,7 +90,7 @@ def test_formulas_divide_what_each_stage_shards():
 
 
 def _skip_reduce_scatter(ctx, trajectory):
-    from labsrc import memory_sharding_zero as zero
+    from labsrc.lessons.memory_sharding import zero
     original = zero.reduce_scatter_counted
 
     def local_slice(full, traffic):  # a rank that never hears the others' gradients

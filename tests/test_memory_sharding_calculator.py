@@ -3,12 +3,10 @@ bytes measured in the lesson (model states held on ranks; activations saved by a
 import pytest
 import torch
 
-from labsrc import memory_sharding as memory
-from labsrc import memory_sharding_calculator as calculator
-from labsrc import memory_sharding_runs as runs
 from labsrc.core.forked import run_ranks
-from labsrc.memory_sharding_transformer import GPTLayer
-from labsrc.memory_sharding_zero import Traffic
+from labsrc.lessons.memory_sharding import calculator, memory, zero_runs as runs
+from labsrc.lessons.memory_sharding.transformer import GPTLayer
+from labsrc.lessons.memory_sharding.zero import Traffic
 
 
 def test_presets_have_the_published_parameter_counts():

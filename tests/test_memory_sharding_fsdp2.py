@@ -3,10 +3,9 @@ import pytest
 import torch
 from torch import nn
 
-from labsrc import memory_sharding_fsdp2_by_hand as by_hand
-from labsrc import memory_sharding_fsdp2_runs as fsdp2_runs
 from labsrc.core.forked import run_ranks
-from labsrc.memory_sharding_transformer import token_batches
+from labsrc.lessons.memory_sharding import fsdp2_by_hand as by_hand, fsdp2_runs
+from labsrc.lessons.memory_sharding.transformer import token_batches
 
 
 def _run(world_size, dtype, optimizer, lr):
@@ -77,7 +76,7 @@ def test_token_ids_pass_untouched_into_an_embedding():
 
 
 def _fsdp2_counts(ctx, setting):
-    from labsrc import memory_sharding_fsdp2_deployed as deployed
+    from labsrc.lessons.memory_sharding import fsdp2_deployed as deployed
     with deployed.quiet_fsdp_warnings():
         return deployed.train_and_count(lambda m: deployed._shard_blocks(m, reshard_after_forward=setting),
                                         token_batches(1, 4, seed=1), ctx.rank, ctx.world_size)

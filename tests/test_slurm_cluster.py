@@ -58,7 +58,7 @@ def test_two_nodes_with_their_own_names_addresses_and_interface(cluster):
 
 
 def test_the_rendered_script_runs_the_elastic_lab_across_both_nodes(cluster):
-    from labsrc.elastic_fault_tolerance_slurm import run_job
+    from labsrc.lessons.elastic_fault_tolerance.membership_slurm import run_job
     outcome = run_job(cluster, "none")
     assert (outcome.state, outcome.exit_code) == ("COMPLETED", "0:0"), outcome.output[-3000:]
     assert outcome.hosts_at_world_2 == {"node0", "node1"}, outcome.starts
@@ -70,7 +70,7 @@ def test_node1s_agent_killed(cluster, kill_on_bad_exit):
     """srun --kill-on-bad-exit=1 ends node0's agent too: nothing finishes. Without it node0's agent restarts its
     rank alone (--nnodes=1:2) and the lab finishes at world size 1, yet Slurm still calls the job FAILED: srun
     exits with the killed task's status (137 = 128 + SIGKILL), and srun is the script's last command."""
-    from labsrc.elastic_fault_tolerance_slurm import run_job
+    from labsrc.lessons.elastic_fault_tolerance.membership_slurm import run_job
     outcome = run_job(cluster, "kill_agent", kill_on_bad_exit=kill_on_bad_exit)
     assert outcome.state == "FAILED" and outcome.exit_code == "137:0", (outcome, outcome.output[-3000:])
     assert outcome.hosts_at_world_2 == {"node0", "node1"}
@@ -89,7 +89,7 @@ def test_node1s_link_cut(cluster, kill_on_bad_exit):
     Nothing finishes here only because this cluster's SlurmdTimeout (10 s) is shorter than torchrun's re-forming
     (the gloo timeout, the keep-alive's expiry, the last call): with Slurm's default of 300 s, node0 would go on
     at world size 1 for minutes before NODE_FAIL ended it."""
-    from labsrc.elastic_fault_tolerance_slurm import run_job
+    from labsrc.lessons.elastic_fault_tolerance.membership_slurm import run_job
     outcome = run_job(cluster, "cut_link", kill_on_bad_exit=kill_on_bad_exit)
     assert (outcome.state, outcome.reason) == ("NODE_FAIL", "NodeDown"), (outcome, outcome.output[-3000:])
     assert outcome.finished_world == 0, "with SlurmdTimeout=10 the job ends before torchrun re-forms (see above)"
@@ -102,7 +102,7 @@ def test_node1s_link_cut_with_no_kill_on_the_job_and_its_step(cluster):
     """What render_sbatch writes for an elastic job: sbatch --no-kill keeps the allocation, srun --no-kill keeps the
     step (sbatch's alone does not reach it: `man sbatch`), --kill-on-bad-exit=0: node0 re-forms alone and finishes,
     and Slurm calls the job COMPLETED."""
-    from labsrc.elastic_fault_tolerance_slurm import run_job
+    from labsrc.lessons.elastic_fault_tolerance.membership_slurm import run_job
     outcome = run_job(cluster, "cut_link", kill_on_bad_exit=False, no_kill=True, timeout_s=240)
     assert (outcome.state, outcome.exit_code) == ("COMPLETED", "0:0"), (outcome, outcome.output[-3000:])
     assert outcome.hosts_at_world_2 == {"node0", "node1"}

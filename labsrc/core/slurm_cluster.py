@@ -138,7 +138,7 @@ def remove_stale_folders() -> int:
     return removed
 
 
-def stop_others(starter: str = "labsrc.elastic_fault_tolerance_slurm") -> int:
+def stop_others(starter: str = "labsrc.lessons.elastic_fault_tolerance.membership_slurm") -> int:
     """SIGTERM each live `python -m <starter>` that started a cluster (make slurm-cluster); the cluster ends with it."""
     import psutil
     stopped = 0

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 def make(save):
     from labsrc import launch
-    from labsrc.elastic_fault_tolerance_membership import shrink_then_grow
-    from labsrc.plots import elastic_fault_tolerance as plots
+    from labsrc.lessons.elastic_fault_tolerance.membership import shrink_then_grow
+    from labsrc.lessons.elastic_fault_tolerance import plots
     restarted = launch.run("elastic_fault_tolerance", nproc=2, timeout=150, max_restarts=3, pg_timeout_s=5,
                            failures=("exception", "kill", "hang"), echo=False)
     save("restart_timeline", plots.restart_timeline(restarted).figure)

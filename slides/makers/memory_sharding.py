@@ -5,8 +5,8 @@ from __future__ import annotations
 def make(save):
     from labsrc import launch
     from labsrc.core.plan import make_plan
-    from labsrc.labs.memory_sharding import CheckpointRow, FsdpRow, MemoryRow
-    from labsrc.plots import memory_sharding as plots
+    from labsrc.lessons.memory_sharding.lab import CheckpointRow, FsdpRow, MemoryRow
+    from labsrc.lessons.memory_sharding import plots
     plan = make_plan()
     result = launch.run("memory_sharding", nproc=plan.world_size, timeout=600, backend="gloo")
     save("memory_bars", plots.memory_bars(sorted(result.of(MemoryRow, rank=0), key=lambda r: r.stage)))

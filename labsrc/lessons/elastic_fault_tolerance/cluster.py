@@ -39,7 +39,7 @@ class ClusterJob:
     """NCCL_IB_HCA: the InfiniBand adapters NCCL's IB transport may use (prefix match: mlx5 is every mlx5_N)."""
     max_restarts: int = 3
     """torchrun --max-restarts: how many times a failed group is restarted."""
-    module: str = "labsrc.labs.elastic_fault_tolerance"
+    module: str = "labsrc.lessons.elastic_fault_tolerance.lab"
     """The python module every rank runs."""
     lab_args: tuple[str, ...] = ("--epochs", "3")
     job_name: str = "elastic-lab"

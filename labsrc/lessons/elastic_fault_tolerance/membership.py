@@ -10,7 +10,7 @@ import time
 
 from labsrc.core import runs
 from labsrc.core.launch import Launch, end_run
-from labsrc.labs.elastic_fault_tolerance import Resume, TrainStep
+from labsrc.lessons.elastic_fault_tolerance.lab import Resume, TrainStep
 
 
 class MembershipTimeout(RuntimeError):

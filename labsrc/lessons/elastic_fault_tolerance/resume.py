@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labsrc.elastic_fault_tolerance_snapshot import load_checked, save_atomic
+from labsrc.lessons.elastic_fault_tolerance.snapshot import load_checked, save_atomic
 from labsrc.training.loop import step as training_step
 
 PARTS = ("model", "optimizer", "scheduler", "scaler", "sampler", "rng", "step")

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.func import functional_call
 
-from labsrc.memory_sharding_zero import Traffic, all_gather_counted, flatten, reduce_scatter_counted
+from labsrc.lessons.memory_sharding.zero import Traffic, all_gather_counted, flatten, reduce_scatter_counted
 
 
 class _GatherWeights(torch.autograd.Function):

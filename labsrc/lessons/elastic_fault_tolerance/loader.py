@@ -17,7 +17,7 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader, DistributedSampler
 
-from labsrc.elastic_fault_tolerance_snapshot import load_checked, save_atomic
+from labsrc.lessons.elastic_fault_tolerance.snapshot import load_checked, save_atomic
 
 SAMPLES, WORLD_SIZE, BATCH, SEED = 48, 2, 4, 0  # 6 batches per rank and epoch
 

@@ -9,8 +9,8 @@ from torch import nn
 from torch.distributed.tensor.debug import CommDebugMode
 
 from labsrc.core.exercises import ExerciseFailed, on_ranks, passed
-from labsrc.memory_sharding import deep_mlp, predicted_saved_units
-from labsrc.memory_sharding_zero import counted_collectives, flatten, padded_size
+from labsrc.lessons.memory_sharding.memory import deep_mlp, predicted_saved_units
+from labsrc.lessons.memory_sharding.zero import counted_collectives, flatten, padded_size
 
 LR = 0.1
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from labsrc.labs.elastic_fault_tolerance import Failure, Resume, StateFingerprint, TrainStep
+from labsrc.lessons.elastic_fault_tolerance.lab import Failure, Resume, StateFingerprint, TrainStep
 
 
 def rank_histories(result) -> dict[int, list[tuple[Resume, list[TrainStep]]]]:

@@ -20,9 +20,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from labsrc.memory_sharding import saved_activation_bytes
-from labsrc.memory_sharding_transformer import TinyTransformer, loss_of, tiny_transformer, token_batches
-from labsrc.memory_sharding_zero import counted_collectives
+from labsrc.lessons.memory_sharding.memory import saved_activation_bytes
+from labsrc.lessons.memory_sharding.transformer import TinyTransformer, loss_of, tiny_transformer, token_batches
+from labsrc.lessons.memory_sharding.zero import counted_collectives
 
 
 @contextlib.contextmanager

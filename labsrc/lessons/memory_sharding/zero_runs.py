@@ -4,10 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from labsrc.memory_sharding import (FP32, MIXED, deep_mlp, held_bytes, live_storages, optimizer_state_bytes,
+from labsrc.lessons.memory_sharding.memory import (FP32, MIXED, deep_mlp, held_bytes, live_storages, optimizer_state_bytes,
                                     storage_bytes)
-from labsrc.memory_sharding_zero import ShardedOptimizer, Traffic, all_reduce_counted, flatten, unflatten_into
-from labsrc.memory_sharding_zero3 import FullyShardedModel, ShardedLayer
+from labsrc.lessons.memory_sharding.zero import ShardedOptimizer, Traffic, all_reduce_counted, flatten, unflatten_into
+from labsrc.lessons.memory_sharding.zero3 import FullyShardedModel, ShardedLayer
 
 
 def make_batches(steps: int, batch: int, inputs: int = 16, outputs: int = 4, seed: int = 0) -> list:

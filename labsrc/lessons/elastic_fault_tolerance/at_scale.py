@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from labsrc.elastic_fault_tolerance_snapshot import save_atomic
+from labsrc.lessons.elastic_fault_tolerance.snapshot import save_atomic
 
 # Llama 3 (Dubey et al., "The Llama 3 Herd of Models", 2024, section 3.3.4): 419 unexpected interruptions in a
 # 54-day snapshot of pre-training on up to 16,384 H100 GPUs, one every 54 * 24 / 419 = 3.1 hours.

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from labsrc.core.processes import environment_set
-from labsrc.memory_sharding import deep_mlp
+from labsrc.lessons.memory_sharding.memory import deep_mlp
 
 MISSING = "DeepSpeed is not installed: `make deepspeed` adds it"
 

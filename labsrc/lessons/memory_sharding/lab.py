@@ -1,7 +1,7 @@
 """Where the bytes go, and sharding them: ZeRO stages 0-3 by hand, FSDP2, ZeroRedundancyOptimizer, checkpointing.
 
     python -m labsrc.launch --nproc 2 memory_sharding
-    torchrun --nproc-per-node 2 -m labsrc.labs.memory_sharding --width 64
+    torchrun --nproc-per-node 2 -m labsrc.lessons.memory_sharding.lab --width 64
 Every experiment runs in this one launch; every sharded run is compared with one process training on whole batches.
 """
 from __future__ import annotations
@@ -11,16 +11,14 @@ from typing import ClassVar
 
 import torch
 
-from labsrc import memory_sharding as memory
-from labsrc import memory_sharding_fsdp as production
-from labsrc import memory_sharding_runs as runs
 from labsrc.core.lab import run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
-from labsrc.labs.memory_sharding_fsdp2 import hand_fsdp2
-from labsrc.memory_sharding_transformer import tiny_transformer
-from labsrc.memory_sharding_zero import Traffic
+from labsrc.lessons.memory_sharding import memory, torch_sharding as production, zero_runs as runs
+from labsrc.lessons.memory_sharding.fsdp2_experiment import hand_fsdp2
+from labsrc.lessons.memory_sharding.transformer import tiny_transformer
+from labsrc.lessons.memory_sharding.zero import Traffic
 
 
 @dataclass

@@ -7,9 +7,9 @@ import copy
 import torch
 from torch import nn
 
-from labsrc.memory_sharding_fsdp2_by_hand import cast_floats, shard_model
-from labsrc.memory_sharding_transformer import loss_of, tiny_transformer
-from labsrc.memory_sharding_zero import Traffic
+from labsrc.lessons.memory_sharding.fsdp2_by_hand import cast_floats, shard_model
+from labsrc.lessons.memory_sharding.transformer import loss_of, tiny_transformer
+from labsrc.lessons.memory_sharding.zero import Traffic
 
 WRAP = (nn.Linear, nn.Embedding)  # sharded module types; RMSNorm weights stay whole on every rank
 

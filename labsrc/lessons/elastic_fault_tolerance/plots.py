@@ -1,8 +1,8 @@
 """Figures of notebook 10: the restart timeline (start x time, steps) and the membership timeline (world size x time)."""
 from __future__ import annotations
 
-from labsrc import elastic_fault_tolerance_analysis as analysis
-from labsrc.labs.elastic_fault_tolerance import Failure, SnapshotSaved
+from labsrc.lessons.elastic_fault_tolerance import analysis
+from labsrc.lessons.elastic_fault_tolerance.lab import Failure, SnapshotSaved
 from labsrc.plots import new_axes
 
 

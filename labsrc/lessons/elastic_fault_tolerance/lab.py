@@ -1,7 +1,7 @@
 """Train, crash on purpose, let torchrun restart, resume from the last snapshot: nothing lost, checked to the bit.
 
     python -m labsrc.launch --nproc 2 --max-restarts 3 elastic_fault_tolerance -- --failures exception kill hang
-    torchrun --nproc-per-node 2 --max-restarts 3 -m labsrc.labs.elastic_fault_tolerance --failures exception
+    torchrun --nproc-per-node 2 --max-restarts 3 -m labsrc.lessons.elastic_fault_tolerance.lab --failures exception
 On attempt 0 the ranks first train once without interruption (the reference, saved as reference.pt), then
 train again with snapshots; attempt a fails as `failures[a]` says, at a seeded random step; the last attempt
 finishes and saves final.pt. With elastic nodes (nnodes "1:2") the same loop re-forms at each world size.
@@ -20,8 +20,8 @@ from labsrc.core.lab import run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record, current_attempt
 from labsrc.core.world import RequestError
-from labsrc.elastic_fault_tolerance import Setup, Training, part_fingerprints, restore, save_snapshot
-from labsrc.elastic_fault_tolerance_snapshot import (SnapshotCorrupt, die_mid_write, load_latest, save_atomic,
+from labsrc.lessons.elastic_fault_tolerance.resume import Setup, Training, part_fingerprints, restore, save_snapshot
+from labsrc.lessons.elastic_fault_tolerance.snapshot import (SnapshotCorrupt, die_mid_write, load_latest, save_atomic,
                                                      save_keeping, snapshot_path)
 
 FAILURES = ("exception", "kill", "hang")

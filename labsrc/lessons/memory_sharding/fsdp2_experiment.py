@@ -9,9 +9,9 @@ from typing import ClassVar
 
 import torch
 
-from labsrc import memory_sharding_fsdp2_runs as fsdp2_runs
 from labsrc.core.runs import Record
-from labsrc.memory_sharding_transformer import token_batches
+from labsrc.lessons.memory_sharding import fsdp2_runs
+from labsrc.lessons.memory_sharding.transformer import token_batches
 
 # (run, compute dtype, optimizer, learning rate, tolerance on gradients and parameters against one process)
 HAND_FSDP_RUNS = (("fp32 AdamW", None, "adamw", 1e-3, 1e-6),

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from labsrc.memory_sharding import deep_mlp, optimizer_state_bytes
+from labsrc.lessons.memory_sharding.memory import deep_mlp, optimizer_state_bytes
 
 SETTINGS = {  # key: (label, fully_shard keyword arguments builder)
     "reshard": "reshard_after_forward=True",

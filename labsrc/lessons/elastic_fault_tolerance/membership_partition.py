@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from labsrc.core import emulated_nodes, runs
 from labsrc.core.launch import ELASTIC_RDZV_CONF, Launch, end_run, start
-from labsrc.elastic_fault_tolerance_membership import resumable_steps_at, store_host, wait_until
+from labsrc.lessons.elastic_fault_tolerance.membership import resumable_steps_at, store_host, wait_until
 
 
 @dataclass(frozen=True)

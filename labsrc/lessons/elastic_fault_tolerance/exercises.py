@@ -21,7 +21,7 @@ import torch
 from labsrc.core import forked
 from labsrc.core.exercises import ExerciseFailed, passed
 from labsrc.core.world import RankContext
-from labsrc.elastic_fault_tolerance import Setup, Training, capture_rng, parameters_equal
+from labsrc.lessons.elastic_fault_tolerance.resume import Setup, Training, capture_rng, parameters_equal
 
 SNAPSHOT_EVERY = 2
 KILLED_AT = 8  # the save after step 8 is cut short by a SIGKILL: the last whole snapshot is step 6's

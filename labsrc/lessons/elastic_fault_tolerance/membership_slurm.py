@@ -3,7 +3,7 @@
     with SlurmCluster() as cluster:                                   # labsrc.core.slurm_cluster
         ok = run_job(cluster, "none")                                 # the elastic lab across node0 and node1
         lost = run_job(cluster, "kill_agent", kill_on_bad_exit=False) # node1's torchrun agent SIGKILLed mid-run
-    python -m labsrc.elastic_fault_tolerance_slurm                    # make slurm-cluster: start one, say how to use it
+    python -m labsrc.lessons.elastic_fault_tolerance.membership_slurm                    # make slurm-cluster: start one, say how to use it
 
 The job is render_sbatch(job, gpus=False) of cluster/sbatch_torchrun.sh.template: one srun task per node, each a
 torchrun agent with --nnodes=1:2, the c10d rendezvous on the first node (node0, which also hosts the store: the
@@ -23,8 +23,8 @@ from labsrc.core.launch import ELASTIC_RDZV_CONF
 from labsrc.core.paths import REPO
 from labsrc.core.slurm_cluster import SlurmCluster
 from labsrc.core.world import RequestError
-from labsrc.elastic_fault_tolerance_cluster import ClusterJob, render_sbatch
-from labsrc.labs.elastic_fault_tolerance import Finished, Resume, TrainStep
+from labsrc.lessons.elastic_fault_tolerance.cluster import ClusterJob, render_sbatch
+from labsrc.lessons.elastic_fault_tolerance.lab import Finished, Resume, TrainStep
 
 FAULTS = ("none", "kill_agent", "cut_link")
 LOST_NODE = 1
@@ -151,7 +151,7 @@ def write_tools(cluster: SlurmCluster) -> Path:
 def main() -> int:
     """make slurm-cluster: start the cluster, write the course's job script, say how to use it, stop on Ctrl-C."""
     import argparse
-    parser = argparse.ArgumentParser(prog="python -m labsrc.elastic_fault_tolerance_slurm")
+    parser = argparse.ArgumentParser(prog="python -m labsrc.lessons.elastic_fault_tolerance.membership_slurm")
     parser.add_argument("--stop", action="store_true", help="stop the cluster another `make slurm-cluster` started")
     if parser.parse_args().stop:
         from labsrc.core.slurm_cluster import stop_others
