@@ -4,10 +4,10 @@ check), each parallelism's bytes per step, local SGD; the lab on one host and on
 
 import pytest
 
-from labsrc.async_parameter_server import Problem
 from labsrc.core.forked import run_ranks
 from labsrc.core.world import RequestError
 from labsrc.lessons.across_nodes import analysis, cost_model as model, hierarchy, lab, traffic
+from labsrc.lessons.async_parameter_server.server import Problem
 from labsrc.techniques.alpha_beta import AlphaBeta, ring_allreduce_time_s
 
 LAYOUTS = [(2, 2), (4, 1), (1, 2), (2, 3), (3, 2)]

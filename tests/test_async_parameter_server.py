@@ -5,12 +5,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from labsrc import async_parameter_server as ps
-from labsrc import async_parameter_server_analysis as analysis
-from labsrc import async_parameter_server_local_sgd as local
 from labsrc.core.forked import RankError, run_ranks
 from labsrc.core.world import RequestError
-from labsrc.labs.async_parameter_server import Options, parameter_server_lab
+from labsrc.lessons.async_parameter_server import analysis, local_sgd as local, server as ps
+from labsrc.lessons.async_parameter_server.lab import Options, parameter_server_lab
 
 PROBLEM = ps.Problem(features=8, samples=256, batch=8, seed=3)
 LR = 0.2

@@ -7,23 +7,22 @@ import numpy as np
 import pytest
 import torch
 
-from labsrc import capstone
-from labsrc.capstone_training import RunSettings, train_run
 from labsrc.core.forked import run_ranks
 from labsrc.core.world import RankContext, RequestError
-from labsrc.labs import capstone as lab
+from labsrc.lessons.capstone import lab, recipe
+from labsrc.lessons.capstone.training_run import RunSettings, train_run
 from labsrc.lessons.elastic_fault_tolerance import snapshot as snapshot_file
 from labsrc.lessons.elastic_fault_tolerance.snapshot import load_checked, save_atomic
 
 
 def schedule(**changes):
     values = dict(base_lr=0.1, base_batch=256, global_batch=1024, warmup_steps=5, total_steps=26, end_lr=0.001)
-    return capstone.Schedule(**{**values, **changes})
+    return recipe.Schedule(**{**values, **changes})
 
 
 def test_schedule_ramps_from_base_to_scaled_peak_then_cosine_to_end():
     plan = schedule()
-    rates = [capstone.learning_rate(step, plan) for step in range(plan.total_steps)]
+    rates = [recipe.learning_rate(step, plan) for step in range(plan.total_steps)]
     assert plan.peak_lr == pytest.approx(0.4)  # 0.1 x 1024 / 256
     assert rates[0] == pytest.approx(0.1)
     assert rates[5] == pytest.approx(0.4) and max(rates) == pytest.approx(0.4)
@@ -35,12 +34,12 @@ def test_schedule_ramps_from_base_to_scaled_peak_then_cosine_to_end():
 
 
 def test_schedule_without_warmup_starts_at_the_peak():
-    assert capstone.learning_rate(0, schedule(warmup_steps=0)) == pytest.approx(0.4)
+    assert recipe.learning_rate(0, schedule(warmup_steps=0)) == pytest.approx(0.4)
 
 
 def test_a_batch_below_base_batch_never_runs_above_its_peak():
     plan = schedule(global_batch=64)  # peak 0.1 x 64 / 256 = 0.025, below base_lr
-    rates = [capstone.learning_rate(step, plan) for step in range(plan.total_steps)]
+    rates = [recipe.learning_rate(step, plan) for step in range(plan.total_steps)]
     assert plan.peak_lr == pytest.approx(0.025) and max(rates) == pytest.approx(0.025)
     assert rates[:6] == pytest.approx([0.025] * 6), "nothing to warm up to: the ramp stays at the peak"
 
@@ -68,24 +67,24 @@ def files_not_checksummed(monkeypatch):
 
 def test_cifar10_is_read_from_disk_when_there(tmp_path, files_not_checksummed):
     fake_cifar(tmp_path)
-    train, held_out, source = capstone.load_datasets("auto", 100, 10, 16, 0, root=tmp_path)
+    train, held_out, source = recipe.load_datasets("auto", 100, 10, 16, 0, root=tmp_path)
     assert source == "cifar10" and len(train) == 20 and len(held_out) == 4
     image, label = train[0]
     assert image.shape == (3, 32, 32) and image.dtype == torch.float32 and 0 <= label < 10
 
 
 def test_without_cifar10_auto_falls_back_and_cifar10_refuses(tmp_path, files_not_checksummed):
-    train, held_out, source = capstone.load_datasets("auto", 100, 10, 16, 0, root=tmp_path)
+    train, held_out, source = recipe.load_datasets("auto", 100, 10, 16, 0, root=tmp_path)
     assert source == "synthetic" and len(train) == 100 and len(held_out) == 10
     with pytest.raises(FileNotFoundError, match="nothing is downloaded"):
-        capstone.load_datasets("cifar10", 100, 10, 16, 0, root=tmp_path)
+        recipe.load_datasets("cifar10", 100, 10, 16, 0, root=tmp_path)
 
 
 def test_held_out_split_is_disjoint_and_shuffled_labels_keep_images():
-    train, held_out = capstone.offline_split(64, 16, 8, seed=3)
+    train, held_out = recipe.offline_split(64, 16, 8, seed=3)
     assert train.tensors[0].shape == (64, 3, 8, 8) and held_out.tensors[0].shape == (16, 3, 8, 8)
     assert not any(torch.equal(a, b) for a in held_out.tensors[0] for b in train.tensors[0][:16])
-    shuffled = capstone.with_shuffled_labels(train, seed=3)
+    shuffled = recipe.with_shuffled_labels(train, seed=3)
     assert torch.equal(shuffled.tensors[0], train.tensors[0])
     assert not torch.equal(shuffled.tensors[1], train.tensors[1])
     assert sorted(shuffled.tensors[1].tolist()) == sorted(train.tensors[1].tolist())
@@ -102,10 +101,10 @@ def parts():
 def test_snapshot_round_trip_restores_momentum(tmp_path):
     model, optimizer, scaler = parts()
     path = tmp_path / "snapshot.pt"
-    assert capstone.save_snapshot(path, 7, model, optimizer, scaler) == path.stat().st_size
+    assert recipe.save_snapshot(path, 7, model, optimizer, scaler) == path.stat().st_size
     other, other_optimizer, other_scaler = parts()
-    assert capstone.load_snapshot(path, other, other_optimizer, other_scaler, torch.device("cpu")) == 7
-    assert capstone.state_digest(other) == capstone.state_digest(model)
+    assert recipe.load_snapshot(path, other, other_optimizer, other_scaler, torch.device("cpu")) == 7
+    assert recipe.state_digest(other) == recipe.state_digest(model)
     momentum = optimizer.state[model.weight]["momentum_buffer"]
     assert torch.equal(other_optimizer.state[other.weight]["momentum_buffer"], momentum)
     assert not list(tmp_path.glob("*.tmp"))
@@ -116,18 +115,18 @@ def test_snapshot_round_trip_restores_the_loss_scale(tmp_path):
     nothing shows this): without it a resumed run starts again from 65536 and skips steps finding its scale."""
     model, optimizer, _ = parts()
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=7)
-    capstone.save_snapshot(tmp_path / "snapshot.pt", 3, model, optimizer, scaler)
+    recipe.save_snapshot(tmp_path / "snapshot.pt", 3, model, optimizer, scaler)
     other, other_optimizer, _ = parts()
     other_scaler = torch.amp.GradScaler("cpu")
-    capstone.load_snapshot(tmp_path / "snapshot.pt", other, other_optimizer, other_scaler, torch.device("cpu"))
+    recipe.load_snapshot(tmp_path / "snapshot.pt", other, other_optimizer, other_scaler, torch.device("cpu"))
     assert other_scaler.get_scale() == 1024.0 and other_scaler.get_growth_interval() == 7
 
 
 def test_digests_of_parameters_and_of_buffers_tell_them_apart():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
-    before = {part: capstone.state_digest(model, part) for part in ("all", "parameters", "buffers")}
+    before = {part: recipe.state_digest(model, part) for part in ("all", "parameters", "buffers")}
     model(torch.randn(8, 4))  # a training forward moves BatchNorm's running statistics only
-    after = {part: capstone.state_digest(model, part) for part in ("all", "parameters", "buffers")}
+    after = {part: recipe.state_digest(model, part) for part in ("all", "parameters", "buffers")}
     assert after["parameters"] == before["parameters"]
     assert after["buffers"] != before["buffers"] and after["all"] != before["all"]
 
@@ -135,7 +134,7 @@ def test_digests_of_parameters_and_of_buffers_tell_them_apart():
 def test_a_write_that_fails_leaves_the_previous_snapshot(tmp_path, monkeypatch):
     model, optimizer, scaler = parts()
     path = tmp_path / "snapshot.pt"
-    capstone.save_snapshot(path, 1, model, optimizer, scaler)
+    recipe.save_snapshot(path, 1, model, optimizer, scaler)
     before = path.read_bytes()
 
     def dies_half_way(target, data):
@@ -143,14 +142,14 @@ def test_a_write_that_fails_leaves_the_previous_snapshot(tmp_path, monkeypatch):
         raise OSError("disk full")
     monkeypatch.setattr(snapshot_file, "write_bytes_durably", dies_half_way)
     with pytest.raises(OSError):
-        capstone.save_snapshot(path, 2, model, optimizer, scaler)
+        recipe.save_snapshot(path, 2, model, optimizer, scaler)
     assert path.read_bytes() == before
 
 
 def settings(total_steps=8, eval_every=2, snapshot_every=4):
     return RunSettings(model="tiny_cnn", precision="fp32", channels_last=False, compile=False,
                        compile_backend="inductor",
-                       schedule=capstone.Schedule(0.4, 256, 32, 2, total_steps), momentum=0.9,
+                       schedule=recipe.Schedule(0.4, 256, 32, 2, total_steps), momentum=0.9,
                        weight_decay=5e-4, max_norm=None, eval_every=eval_every, snapshot_every=snapshot_every,
                        num_workers=0, seed=0)
 
@@ -159,7 +158,7 @@ def train_on_rank(ctx, folder, stop_at, forget_momentum, eval_every=2, snapshot_
     """Train uninterrupted, then stopped at stop_at and resumed from its last snapshot (128 samples at a global
     batch of 32: 4 steps an epoch). Returns both digests, the start steps, the accuracies, and {step: this
     rank's batch fingerprint} of the uninterrupted run and of the resumed one."""
-    train_set, held_out = capstone.offline_split(128, 32, 8, seed=0)
+    train_set, held_out = recipe.offline_split(128, 32, 8, seed=0)
     chosen = settings(eval_every=eval_every, snapshot_every=snapshot_every)
     events = []
     report = lambda kind, values: events.append((kind, values))  # noqa: E731
@@ -184,7 +183,7 @@ def train_on_rank(ctx, folder, stop_at, forget_momentum, eval_every=2, snapshot_
 
 def batches_by_step(events) -> dict[int, float]:
     """{0-based step: its batch fingerprint} from a run's "log" events."""
-    return capstone.fingerprints_by_step(values for kind, values in events if kind == "log")
+    return recipe.fingerprints_by_step(values for kind, values in events if kind == "log")
 
 
 @pytest.mark.parametrize("stop_at, eval_every, snapshot_every, resumed_from", [
@@ -213,7 +212,7 @@ def test_a_snapshot_without_optimizer_state_resumes_elsewhere(tmp_path):
 def test_channels_last_and_a_failed_compile_still_train_in_a_world_of_one():
     from dataclasses import replace
     ctx = RankContext(0, 0, 1, torch.device("cpu"), "none")
-    train_set, held_out = capstone.offline_split(64, 16, 8, seed=0)
+    train_set, held_out = recipe.offline_split(64, 16, 8, seed=0)
     events = []
     chosen = replace(settings(total_steps=4), channels_last=True, compile=True, compile_backend="no_such_backend")
     final = train_run(ctx, chosen, train_set, held_out, None, lambda kind, values: events.append((kind, values)))
@@ -226,7 +225,7 @@ def test_scaling_report_against_the_smallest_world():
     evaluations = [{"step": 8, "accuracy": 0.5, "train_seconds": 1.0}, {"step": 16, "accuracy": 0.9, "train_seconds": 2.0}]
     runs = {1: {"images_per_s": 100.0, "evaluations": evaluations},
             2: {"images_per_s": 150.0, "evaluations": evaluations[:1]}}
-    report = capstone.scaling_report(runs, target=0.8)
+    report = recipe.scaling_report(runs, target=0.8)
     assert report[1] == {"images_per_s": 100.0, "speedup": 1.0, "efficiency": 1.0, "time_to_target_s": 2.0}
     assert report[2]["speedup"] == pytest.approx(1.5) and report[2]["efficiency"] == pytest.approx(0.75)
     assert report[2]["time_to_target_s"] is None
@@ -249,10 +248,10 @@ def test_lab_runs_as_a_world_of_one(tmp_path, monkeypatch):
 
 
 def test_a_world_size_that_does_not_divide_the_split_counts_twice_with_distributed_sampler():
-    from labsrc import capstone_evaluation
-    scores = run_ranks(capstone_evaluation.scores_by_share, 3, (256,), timeout_s=60)[0]
+    from labsrc.lessons.capstone import evaluation
+    scores = run_ranks(evaluation.scores_by_share, 3, (256,), timeout_s=60)[0]
     strided, sampler = scores["strided"], scores["sampler"]
-    alone = capstone_evaluation.one_process_scores(256)
+    alone = evaluation.one_process_scores(256)
     assert strided["count"] == 256 and strided["accuracy"] == alone["accuracy"]
     assert strided["loss"] == pytest.approx(alone["loss"], abs=1e-5)
     assert sampler["count"] == 258, "DistributedSampler pads 256 to 3 x 86, counting 2 samples twice"

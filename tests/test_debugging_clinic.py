@@ -1,11 +1,10 @@
 """Notebook 12's cases: each planted bug fails as described within its timeout, each fix works (forked ranks, no torchrun)."""
 import pytest
 
-from labsrc import debugging_clinic as clinic
-from labsrc import debugging_clinic_launch as launching
-from labsrc import debugging_clinic_training as training
 from labsrc.core.world import RequestError
-from labsrc.labs.debugging_clinic import Options
+from labsrc.lessons.debugging_clinic import (collective_bugs as clinic, launch_bugs as launching,
+                                             training_bugs as training)
+from labsrc.lessons.debugging_clinic.lab import Options
 
 
 def test_detail_names_a_shape_mismatch_at_once_and_the_fix_passes():

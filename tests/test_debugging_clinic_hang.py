@@ -5,9 +5,7 @@ import multiprocessing
 import os
 import socket
 
-from labsrc import debugging_clinic as clinic
-from labsrc import debugging_clinic_hang as clinic_hang
-from labsrc import debugging_clinic_training as training
+from labsrc.lessons.debugging_clinic import collective_bugs as clinic, hangs as clinic_hang, training_bugs as training
 
 
 def test_without_a_debug_mode_shape_aborts_rank0_and_order_waits_the_full_timeout():
@@ -37,7 +35,7 @@ def test_py_spy_and_faulthandler_name_the_blocking_call_and_its_caller():
 def _recorded_rank(rank: int, port: int, folder: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), TORCHELASTIC_ERROR_FILE=os.path.join(folder, f"error{rank}.json"))
-    from labsrc.debugging_clinic_cases import recorded_failure
+    from labsrc.lessons.debugging_clinic.cases import recorded_failure
     recorded_failure.main(["--fail-rank", "1", "--timeout-s", "5"])
 
 

@@ -1,5 +1,5 @@
 """Notebook 12's wrong-interface case: the findings name a loopback interface or address only across nodes."""
-from labsrc.debugging_clinic_interface import PhaseOutcome, findings, is_loopback
+from labsrc.lessons.debugging_clinic.interface_findings import PhaseOutcome, findings, is_loopback
 
 
 def outcome(phase: str, node: int, network: int, gloo: str = "eth0", store: str = "198.18.0.1") -> PhaseOutcome:

@@ -5,7 +5,7 @@ import pytest
 import torch.distributed as dist
 
 from labsrc.core.exercises import ExerciseFailed, load_solution
-from labsrc.exercises import async_parameter_server as checkers
+from labsrc.lessons.async_parameter_server import exercises as checkers
 
 
 def test_admit_solution_passes(capsys):

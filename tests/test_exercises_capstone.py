@@ -4,7 +4,7 @@ import math
 import pytest
 
 from labsrc.core.exercises import ExerciseFailed, load_solution
-from labsrc.exercises import capstone as checkers
+from labsrc.lessons.capstone import exercises as checkers
 
 solution = load_solution("capstone", "learning_rate")
 
@@ -60,7 +60,7 @@ def test_mistakes_are_named(wrong, named):
 
 
 def test_solution_matches_the_course_schedule():
-    from labsrc.capstone import Schedule, learning_rate
+    from labsrc.lessons.capstone.recipe import Schedule, learning_rate
     for base_batch in (128, 2048):  # the peak above, then below, base_lr
         plan = Schedule(0.1, base_batch, 512, 4, 12, 0.002)
         assert all(math.isclose(solution(s, 0.1, base_batch, 512, 4, 12, 0.002), learning_rate(s, plan))

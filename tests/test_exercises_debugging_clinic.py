@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from labsrc.core.exercises import ExerciseFailed, load_solution
-from labsrc.exercises import debugging_clinic as checks
+from labsrc.lessons.debugging_clinic import exercises as checks
 
 
 def test_diagnose_solution_passes(capsys):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 def make(save):
     from labsrc import launch
-    from labsrc.labs.async_parameter_server import Options
-    from labsrc.plots import async_parameter_server as plots
+    from labsrc.lessons.async_parameter_server.lab import Options
+    from labsrc.lessons.async_parameter_server import plots
     result = launch.run("async_parameter_server", nproc=3, timeout=240, echo=False)
     save("staleness", plots.staleness_histogram(result, Options.make().bound))
     save("clock_gaps", plots.clock_gaps(result, Options.make().clock_bound))

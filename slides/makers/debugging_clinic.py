@@ -4,8 +4,8 @@ from __future__ import annotations
 
 def measured_costs() -> tuple[dict, dict, dict]:
     """The notebook's three measurements: DDP seconds per step by fix, wait per batch by num_workers, matmul seconds."""
-    from labsrc import debugging_clinic as clinic
-    from labsrc import debugging_clinic_training as training
+    from labsrc.lessons.debugging_clinic import collective_bugs as clinic
+    from labsrc.lessons.debugging_clinic import training_bugs as training
     from labsrc.core.forked import run_ranks
     ddp_step_s = {}
     for variant in ("find_unused", "static_graph", "all_used"):
@@ -18,5 +18,5 @@ def measured_costs() -> tuple[dict, dict, dict]:
 
 
 def make(save):
-    from labsrc.plots import debugging_clinic as plots
+    from labsrc.lessons.debugging_clinic import plots
     save("costs", plots.draw_costs(*measured_costs()))

@@ -12,12 +12,12 @@ import os
 from dataclasses import dataclass
 from typing import ClassVar
 
-from labsrc.async_parameter_server import Problem
 from labsrc.core.lab import run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
 from labsrc.lessons.across_nodes import cost_model, hierarchy, traffic
+from labsrc.lessons.async_parameter_server.server import Problem
 
 LINK_BITS_ENV = "LABSRC_LINK_BITS"
 LOOPBACK_BYTES_PER_S = 1e8

@@ -10,10 +10,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from labsrc.async_parameter_server import Problem, full_loss, make_data
-from labsrc.async_parameter_server_local_sgd import average_parameters, local_sgd, synchronous_sgd
 from labsrc.lessons.across_nodes.cost_model import Layers, step_messages
 from labsrc.lessons.across_nodes.hierarchy import WAIT, NodeGroups
+from labsrc.lessons.async_parameter_server.local_sgd import average_parameters, local_sgd, synchronous_sgd
+from labsrc.lessons.async_parameter_server.server import Problem, full_loss, make_data
 
 
 def _run_scheme(operation: str, tensors: list[torch.Tensor], group, partner: int, first: bool) -> int:

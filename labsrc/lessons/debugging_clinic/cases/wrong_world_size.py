@@ -1,6 +1,6 @@
 """A script that hard-codes its world size: launched on fewer ranks, initialisation waits for a peer that never comes.
 
-    python -m labsrc.launch --nproc 2 labsrc.debugging_clinic_cases.wrong_world_size -- --claimed-world-size 3
+    python -m labsrc.launch --nproc 2 labsrc.lessons.debugging_clinic.cases.wrong_world_size -- --claimed-world-size 3
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from labsrc.core import runs
-from labsrc.labs.debugging_clinic import Joined
+from labsrc.lessons.debugging_clinic.lab import Joined
 
 
 def parse(argv=None) -> argparse.Namespace:

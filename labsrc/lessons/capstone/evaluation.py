@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from labsrc.capstone import offline_split
-from labsrc.capstone_training import evaluate, sampler_share
 from labsrc.core.world import RankContext
+from labsrc.lessons.capstone.recipe import offline_split
+from labsrc.lessons.capstone.training_run import evaluate, sampler_share
 from labsrc.training.models import build_model
 
 

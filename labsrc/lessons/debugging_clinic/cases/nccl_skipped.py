@@ -1,7 +1,7 @@
 """A skipped collective on NCCL (2 GPUs): the call returns at once, the wait is elsewhere, the watchdog ends it.
 
     TORCH_FR_BUFFER_SIZE=200 TORCH_NCCL_DUMP_ON_TIMEOUT=1 TORCH_FR_DUMP_TEMP_FILE=/tmp/fr/trace_ \
-        torchrun --standalone --nproc-per-node=2 -m labsrc.debugging_clinic_cases.nccl_skipped --events /tmp/fr
+        torchrun --standalone --nproc-per-node=2 -m labsrc.lessons.debugging_clinic.cases.nccl_skipped --events /tmp/fr
 
 Rank 1 skips the third all_reduce (a metric "only rank 0 logs") and sleeps. Rank 0's third all_reduce is only
 enqueued on the GPU's stream: the Python call returns at once, and rank 0 blocks later, where it needs the value

@@ -7,10 +7,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from labsrc import async_parameter_server as ps
-from labsrc import async_parameter_server_analysis as analysis
-from labsrc import async_parameter_server_local_sgd as local
 from labsrc.core.exercises import ExerciseFailed, on_ranks, passed
+from labsrc.lessons.async_parameter_server import analysis, local_sgd as local, server as ps
 
 PROBLEM = ps.Problem(features=8, samples=256, batch=8, seed=5)
 CASES = [(server, gradient, bound) for bound in (0, 1, 3) for server in range(6) for gradient in range(server + 1)]

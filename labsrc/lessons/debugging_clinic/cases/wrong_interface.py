@@ -1,7 +1,7 @@
 """Two planted multi-node bugs and their fix, one process group each: a gloo interface and a store address that
 reach only the rank's own node.
 
-    python -m labsrc.launch --nproc 1 --nnodes 2 --link 1gbit labsrc.debugging_clinic_cases.wrong_interface
+    python -m labsrc.launch --nproc 1 --nnodes 2 --link 1gbit labsrc.lessons.debugging_clinic.cases.wrong_interface
 
 Phase 'interface': GLOO_SOCKET_IFNAME=lo, as a script written on one machine might set it: gloo listens on, and
 tells its peers, a loopback address. Phase 'address': the store at MASTER_ADDR=localhost, which every node resolves
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from labsrc.core import runs
-from labsrc.debugging_clinic_interface import PHASES, PhaseOutcome
+from labsrc.lessons.debugging_clinic.interface_findings import PHASES, PhaseOutcome
 
 
 def interfaces_here() -> dict[str, str]:

@@ -4,8 +4,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from labsrc.capstone import Schedule, learning_rate
 from labsrc.core.exercises import ExerciseFailed, passed
+from labsrc.lessons.capstone.recipe import Schedule, learning_rate
 
 CASES = (Schedule(0.1, 256, 1024, 5, 30, 0.0), Schedule(0.05, 64, 128, 3, 20, 0.001), Schedule(0.2, 512, 512, 0, 10, 0.0),
          Schedule(0.4, 256, 64, 4, 16, 0.0))  # the last: a global batch below base_batch, the peak below base_lr

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from labsrc.debugging_clinic import Outcome, attempt
+from labsrc.lessons.debugging_clinic.collective_bugs import Outcome, attempt
 
 DDP_VARIANTS = ("broken", "find_unused", "static_graph", "all_used")
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from labsrc.core.world import RankContext
-from labsrc.debugging_clinic import STARTUP_S, Outcome, environment, short_group
+from labsrc.lessons.debugging_clinic.collective_bugs import STARTUP_S, Outcome, environment, short_group
 
 
 @dataclass
@@ -195,7 +195,7 @@ def inspect_hang(hang_s: float = 60.0) -> dict:
 
 # -- torchrun's error file: @record in the learner's own script --------------------------------------------------
 
-RECORDED_SCRIPT = "labsrc.debugging_clinic_cases.recorded_failure"
+RECORDED_SCRIPT = "labsrc.lessons.debugging_clinic.cases.recorded_failure"
 
 
 def torchrun_recorded(fail_rank: int = 1, timeout_s: float = 90.0) -> dict:
@@ -243,7 +243,7 @@ def root_cause(report: str) -> dict:
 
 # -- NCCL (2 GPUs): a collective that returns at once, a watchdog that ends the process, a dump read by torchfrtrace -
 
-NCCL_SCRIPT = "labsrc.debugging_clinic_cases.nccl_skipped"
+NCCL_SCRIPT = "labsrc.lessons.debugging_clinic.cases.nccl_skipped"
 
 
 def torchrun_nccl_skipped(folder: Path, timeout_s: float = 10.0, limit_s: float = 240.0) -> dict:

@@ -8,7 +8,7 @@ Four modes on one seeded regression problem:
            (gradients it has pushed) may run at most `clock_bound` ahead of the slowest worker's: a faster worker's
            reply is held until the slowest catches up. Nothing is dropped; fast workers wait instead.
 The server handles messages in arrival order and records every one (`Update`), so a single process can replay
-the run (labsrc.async_parameter_server_analysis.replay) and must get the same parameters bit for bit. It also
+the run (labsrc.lessons.async_parameter_server.analysis.replay) and must get the same parameters bit for bit. It also
 records, per reply, how long the worker was held and the clock gap it was released at (every mode, so async's
 unbounded gap and SSP's bounded one are measured the same way).
 """

@@ -2,7 +2,7 @@
 
     launch.run("async_parameter_server", nproc=3)
     python -m labsrc.launch --nproc 3 async_parameter_server -- --gradients 120 --bound 1
-    torchrun --nproc-per-node 3 -m labsrc.labs.async_parameter_server
+    torchrun --nproc-per-node 3 -m labsrc.lessons.async_parameter_server.lab
 """
 from __future__ import annotations
 
@@ -13,13 +13,11 @@ from typing import ClassVar
 
 import torch.distributed as dist
 
-from labsrc import async_parameter_server as ps
-from labsrc import async_parameter_server_analysis as analysis
-from labsrc import async_parameter_server_local_sgd as local
 from labsrc.core.lab import run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
+from labsrc.lessons.async_parameter_server import analysis, local_sgd as local, server as ps
 from labsrc.techniques.collectives import ring_bytes_sent
 
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from labsrc.capstone import Schedule, learning_rate, load_snapshot, save_snapshot, state_digest
+from labsrc.lessons.capstone.recipe import Schedule, learning_rate, load_snapshot, save_snapshot, state_digest
 from labsrc.training.benchmark import compile_or_fallback
 from labsrc.training.loop import autocast, step, tf32
 from labsrc.training.models import build_model

@@ -1,7 +1,7 @@
 """Figures of notebook 11 (parameter server): staleness, clock gaps, loss curves, bytes into the server, local SGD."""
 from __future__ import annotations
 
-from labsrc.labs.async_parameter_server import Bottleneck, Diloco, LocalSgd, Update
+from labsrc.lessons.async_parameter_server.lab import Bottleneck, Diloco, LocalSgd, Update
 from labsrc.plots import new_axes
 
 RUNS = ("sync", "async", "bounded", "ssp")

@@ -1,20 +1,20 @@
 """Lesson 13: train an image classifier end to end with DDP, AMP, channels_last, compile, snapshots and evaluation.
 
     python -m labsrc.launch --nproc 2 capstone -- --steps 64
-    torchrun --nproc-per-node 2 -m labsrc.labs.capstone --crash-at-step 32   # add --max-restarts 1 to resume
+    torchrun --nproc-per-node 2 -m labsrc.lessons.capstone.lab --crash-at-step 32   # add --max-restarts 1 to resume
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import ClassVar
 
-from labsrc.capstone import Schedule, gpu_precision, load_datasets, with_shuffled_labels
-from labsrc.capstone_training import RunSettings, train_run
 from labsrc.core.lab import resolve_profile, run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.plan import split_global_batch
 from labsrc.core.runs import Record, current_attempt
 from labsrc.core.world import RequestError
+from labsrc.lessons.capstone.recipe import Schedule, gpu_precision, load_datasets, with_shuffled_labels
+from labsrc.lessons.capstone.training_run import RunSettings, train_run
 
 STEPS = {"ci": 32, "cpu": 160, "gpu": 3900}  # ci: 4 epochs of 512 (measured: 1.00 held out); gpu: 40 CIFAR epochs
 BASE_LR = {"ci": 0.4, "cpu": 0.4, "gpu": 0.1}  # per base_batch 256; gpu: Goyal et al.'s 0.1, the tiny CNN takes 0.4

@@ -6,7 +6,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
-from labsrc.async_parameter_server import (Problem, batch_rows, full_loss, gradient, initial_parameters)
+from labsrc.lessons.async_parameter_server.server import (Problem, batch_rows, full_loss, gradient, initial_parameters)
 
 
 def average_parameters(parameters: torch.Tensor, group=None, timeout_s: float = 30.0) -> None:

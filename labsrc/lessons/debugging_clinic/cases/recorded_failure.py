@@ -1,6 +1,6 @@
 """A training script with torchrun's error propagation: `main` is decorated with `@record`.
 
-    torchrun --standalone --nproc-per-node=2 -m labsrc.debugging_clinic_cases.recorded_failure --fail-rank 1
+    torchrun --standalone --nproc-per-node=2 -m labsrc.lessons.debugging_clinic.cases.recorded_failure --fail-rank 1
 
 torchrun gives each rank a file to write its error to (TORCHELASTIC_ERROR_FILE). `@record` catches the exception
 that leaves `main`, writes it there (message, traceback, time) and raises it again; torchrun's report then shows

@@ -1,7 +1,7 @@
 """Planted launch bugs for notebook 12: a rank that dies, and the fixed run that restarts (wrong world size: a script).
 
     python -m labsrc.launch --nproc 2 debugging_clinic -- --case rank_dies --kill-rank 1
-    python -m labsrc.launch --nproc 2 labsrc.debugging_clinic_cases.wrong_world_size -- --claimed-world-size 3
+    python -m labsrc.launch --nproc 2 labsrc.lessons.debugging_clinic.cases.wrong_world_size -- --claimed-world-size 3
 """
 from __future__ import annotations
 

@@ -1,0 +1,1 @@
+"""Lesson 11, asynchronous updates: a parameter server, staleness, local SGD."""
