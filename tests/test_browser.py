@@ -29,7 +29,7 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "-
 CELLS = [
     # 0: a launch, as 00_setup does
     "import functools\n\nfrom labsrc.core import launch\nfrom labsrc.core.widgets import rerun_controls\n"
-    "from labsrc.lessons.setup.lab import AllReduce\nfrom labsrc.plots import bars\n\n"
+    "from labsrc.lessons.setup.lab import AllReduce\nfrom labsrc.core.figures import bars\n\n"
     "result = launch.run('setup', nproc=2, timeout=120, hold_s=2)",
     # 1: a rerun panel whose show draws a figure (as 01, 03, 04 and 05 do) and whose fail_rank plants a crash
     "def show(run):\n"

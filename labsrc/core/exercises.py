@@ -1,6 +1,6 @@
 """Exercises: the learner writes a function, a checker runs it (on forked ranks where it is distributed) and says what is wrong.
 
-A lesson's checkers live in `labsrc/exercises/<lesson>.py`; each is `check_<name>(learner_function)` and
+A lesson's checkers live in `labsrc/lessons/<lesson>/exercises.py`; each is `check_<name>(learner_function)` and
 either prints what passed or raises ExerciseFailed with a message that points at the mistake. Reference
 solutions live apart in `solutions/<lesson>.py`; tests/test_exercises.py runs every checker with its
 solution and with a planted wrong answer that it must reject.

@@ -17,9 +17,7 @@ LAB_FILE = "lab"
 def course_labs() -> dict[str, str]:
     """The course's labs, found by folder: {lab name: module}, from every labsrc/lessons/<lesson>/lab*.py."""
     labs = {}
-    for entry in sorted((LESSONS.parent / "labs").glob("[!_]*.py")):  # TRANSITIONAL: labs not yet in a lesson folder
-        labs[entry.stem] = f"labsrc.labs.{entry.stem}"
-    for lesson in sorted(path for path in LESSONS.glob("*") if (path / "__init__.py").is_file()):
+    for lesson in sorted(path for path in LESSONS.iterdir() if (path / "__init__.py").is_file()):
         for entry in sorted(lesson.glob(f"{LAB_FILE}*.py")):
             if entry.stem == LAB_FILE:
                 name = lesson.name

@@ -1,8 +1,8 @@
 """Figures and tables of notebook 06b (across nodes), drawn from the across_nodes lab's records and its analysis."""
 from __future__ import annotations
 
+from labsrc.core.figures import new_axes
 from labsrc.lessons.across_nodes import analysis
-from labsrc.plots import new_axes
 from labsrc.techniques.alpha_beta import AlphaBeta, ring_allreduce_time_s
 
 

@@ -1,8 +1,8 @@
 """Figures of notebook 11 (parameter server): staleness, clock gaps, loss curves, bytes into the server, local SGD."""
 from __future__ import annotations
 
+from labsrc.core.figures import new_axes
 from labsrc.lessons.async_parameter_server.lab import Bottleneck, Diloco, LocalSgd, Update
-from labsrc.plots import new_axes
 
 RUNS = ("sync", "async", "bounded", "ssp")
 COLOURS = {"sync": "tab:blue", "async": "tab:orange", "bounded": "tab:green", "ssp": "tab:purple"}

@@ -1,7 +1,7 @@
 """Figures of notebook 13 (the capstone), drawn from records and the scaling report only."""
 from __future__ import annotations
 
-from labsrc.plots import bars, curves
+from labsrc.core.figures import bars, curves
 
 
 def schedules(series: dict[str, list[float]], ax=None):

@@ -1,8 +1,8 @@
 """Figures and tables of notebook 02 (collectives), drawn from the collectives lab's records."""
 from __future__ import annotations
 
+from labsrc.core.figures import new_axes
 from labsrc.lessons.collectives.lab import Holding, Timing
-from labsrc.plots import new_axes
 from labsrc.techniques.alpha_beta import AlphaBeta
 
 

@@ -1,9 +1,9 @@
 """Figures of notebook 03 (data loading), drawn from the data_loading lab's records."""
 from __future__ import annotations
 
+from labsrc.core.figures import new_axes
 from labsrc.lessons.data_loading import sampling
 from labsrc.lessons.data_loading.lab import Partition, Throughput
-from labsrc.plots import new_axes
 
 
 def partitions(result, set_epoch: bool = True, drop_last: bool = False, ax=None):

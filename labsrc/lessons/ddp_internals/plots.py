@@ -1,9 +1,9 @@
 """Figures of notebook 04 (DDP internals), drawn from the ddp_internals lab's records."""
 from __future__ import annotations
 
+from labsrc.core.figures import gantt, new_axes
 from labsrc.lessons.ddp_internals.inside_ddp import SPAN_LABELS
 from labsrc.lessons.ddp_internals.lab import BucketSweep, HandmadeSchedule, ProfiledStep
-from labsrc.plots import gantt, new_axes
 
 
 def bucket_sweep(result, ax=None):

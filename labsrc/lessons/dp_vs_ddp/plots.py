@@ -1,9 +1,9 @@
 """Figures of the sync experiment (notebook 01) from the dp_vs_ddp lab's records; numbers from its sync module."""
 from __future__ import annotations
 
+from labsrc.core.figures import bars, curves
 from labsrc.lessons.dp_vs_ddp import sync
 from labsrc.lessons.dp_vs_ddp.lab import Buffers, DdpStep, SingleStep, StepTiming
-from labsrc.plots import bars, curves
 
 PHASE_LABELS = {"forward": "forward", "backward": "backward", "all_reduce": "all-reduce", "optimizer": "optimizer"}
 

@@ -1,9 +1,9 @@
 """Figures of notebook 10: the restart timeline (start x time, steps) and the membership timeline (world size x time)."""
 from __future__ import annotations
 
+from labsrc.core.figures import new_axes
 from labsrc.lessons.elastic_fault_tolerance import analysis
 from labsrc.lessons.elastic_fault_tolerance.lab import Failure, SnapshotSaved
-from labsrc.plots import new_axes
 
 
 def _origin(result) -> float:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 
-from labsrc.plots import bars, curves, new_axes
+from labsrc.core.figures import bars, curves, new_axes
 
 
 def scale_trace(trace: list[dict], expected: list[float] | None = None, ax=None):

@@ -1,8 +1,8 @@
 """Figures of notebook 07 (model and tensor parallel): shard layout, the naive split's busy timeline, bytes, cost."""
 from __future__ import annotations
 
+from labsrc.core.figures import new_axes
 from labsrc.lessons.model_tensor_parallel.lab import BlockCheck, BusyInterval, CostRow, ShardLayout
-from labsrc.plots import new_axes
 
 RANK_COLOURS = ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:gray")
 

@@ -1,7 +1,7 @@
 """Figures of notebook 06 (performance and scaling), drawn from benchmark and lab results."""
 from __future__ import annotations
 
-from labsrc.plots import curves, gantt, new_axes
+from labsrc.core.figures import curves, gantt, new_axes
 
 PHASES = ("data_s", "forward_s", "backward_s", "communication_s", "optimizer_s")
 

@@ -1,7 +1,7 @@
 """Figures of notebook 08 (pipeline parallel): schedule Gantt charts and the bubble against its formula."""
 from __future__ import annotations
 
-from labsrc.plots import new_axes
+from labsrc.core.figures import new_axes
 
 COLOURS = {"F": "#2563eb", "B": "#ea580c", "W": "#16a34a"}
 

@@ -1,6 +1,6 @@
 """Matplotlib figures drawn from run results only (records and summaries, never log text).
 
-Shared figures live here; each topic's own figures live in labsrc/plots/<topic>.py.
+Shared figures live here; each lesson's own figures live in labsrc/lessons/<lesson>/plots.py.
 """
 from __future__ import annotations
 

@@ -1,1 +1,0 @@
-"""Checkers for the exercises at the end of each notebook, one module per lesson (see labsrc.core.exercises)."""
