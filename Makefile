@@ -100,7 +100,7 @@ slurm-cluster-stop: setup
 test-slurm: setup slurm-packages
 	LABSRC_PROFILE=ci LABSRC_HEADLESS=1 MPLBACKEND=Agg $(PYTHON) -m pytest tests/test_slurm_cluster.py -rs --durations=10
 
-# A class server (cluster/classroom/, labsrc/core/class_server.py; INSTRUCTORS.md section 2): JupyterHub, its idle
+# A class server (cluster/classroom/, labsrc/classroom/server.py; INSTRUCTORS.md section 2): JupyterHub, its idle
 # culler and nbgrader added to the course's venv, and configurable-http-proxy from npm into .classroom/proxy.
 # As root: the students' accounts come from the roster; the hub listens on loopback unless the settings open it.
 CLASSROOM_SETTINGS ?= cluster/classroom/classroom.toml
@@ -121,10 +121,10 @@ classroom: $(VENV)/.stamp-classroom $(CLASSROOM_PROXY)
 		|| echo "setfacl is missing (apt-get install -y acl): grant_group_traverse will not work"
 
 class-server: classroom
-	$(PYTHON) -m labsrc.core.class_server start --settings $(CLASSROOM_SETTINGS)
+	$(PYTHON) -m labsrc.classroom.server start --settings $(CLASSROOM_SETTINGS)
 
 class-server-stop: setup
-	$(PYTHON) -m labsrc.core.class_server stop --settings $(CLASSROOM_SETTINGS)
+	$(PYTHON) -m labsrc.classroom.server stop --settings $(CLASSROOM_SETTINGS)
 
 test-class-server: classroom
 	LABSRC_PROFILE=ci LABSRC_HEADLESS=1 MPLBACKEND=Agg $(PYTHON) -m pytest tests/test_class_server.py -rs --durations=10

@@ -1,4 +1,4 @@
-"""The class server (labsrc.core.class_server): JupyterHub on loopback, two roster students logged in over HTTP,
+"""The class server (labsrc.classroom.server): JupyterHub on loopback, two roster students logged in over HTTP,
 launches through each student's own JupyterLab (its kernels' REST API and websocket) that run as that student
 and lease slots of a pool (the hub's 2 cores, then 2 fake GPU slots), a third run that waits its turn, a killed
 run's lease freed at once, one student in a real browser, and nothing left once the hub stops.
@@ -22,8 +22,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from labsrc.core import class_accounts, class_settings, leases, pool_setup
-from labsrc.core.class_settings import PROXY_COMMAND
+from labsrc.classroom import accounts, pool_setup, settings as class_settings
+from labsrc.classroom.settings import PROXY_COMMAND
+from labsrc.core import leases
 from labsrc.core.paths import REPO
 from waiting import wait_until
 
@@ -82,7 +83,7 @@ class Hub:
 
 @pytest.fixture(scope="module")
 def hub():
-    from labsrc.core import class_server
+    from labsrc.classroom import server as class_server
     from labsrc.core.launch_request import free_port
     base = Path(tempfile.mkdtemp(prefix="labsrc-hub-", dir="/tmp"))
     base.chmod(0o755)  # the students reach the pools and the script through it
@@ -106,7 +107,7 @@ def hub():
         yield Hub(settings, students, passwords, base, startup_s, told)
     finally:
         class_server.stop(settings)
-        class_accounts.remove_students(class_accounts.read_roster(settings.roster), settings.group, base / "state")
+        accounts.remove_students(accounts.read_roster(settings.roster), settings.group, base / "state")
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -161,7 +162,7 @@ def held(pool: leases.Pool) -> list[dict]:
 
 
 def test_each_student_logs_in_and_gets_their_own_server_and_notebooks(hub):
-    from labsrc.core import class_hub
+    from labsrc.classroom import hub as class_hub
     print(f"hub start-up: {hub.startup_s:.1f} s")
     start_servers(hub)
     for name in hub.students:
@@ -243,7 +244,7 @@ def test_a_killed_run_frees_its_lease_within_a_second(hub):
 
 def test_the_start_tells_whether_students_can_read_the_solutions(hub):
     """Told, checked as a student: readable as the checkout ships; withheld once the group's ACL entry denies it."""
-    from labsrc.core import class_server
+    from labsrc.classroom import server as class_server
     solutions = REPO / "solutions"
     assert any(line.startswith(f"solutions/: students can read {solutions}") for line in hub.told), hub.told
     subprocess.run(["setfacl", "-m", f"g:{hub.settings.group}:---", str(solutions)], check=True)
@@ -258,7 +259,7 @@ def test_the_start_tells_whether_students_can_read_the_solutions(hub):
 def test_a_students_links_never_make_the_hub_write_as_root(hub):
     """The hub copies notebooks into a student's home at each spawn; a link the student put there (their course
     folder, or a notebook, pointing at a root-only place) must not make it write there: it writes as the student."""
-    from labsrc.core import class_hub
+    from labsrc.classroom import hub as class_hub
     name = hub.students[1]
     notebooks = class_hub.home_of(name) / "labsrc-course" / "notebooks"
     kept = notebooks.with_name("notebooks.kept")
@@ -346,7 +347,7 @@ def test_a_student_runs_notebook_00s_first_launch_in_a_real_browser(hub, tmp_pat
 
 
 def test_stopping_the_hub_leaves_no_process_of_the_students_or_the_hub(hub):
-    from labsrc.core import class_server
+    from labsrc.classroom import server as class_server
     state = hub.settings.state_dir
     hub_process = psutil.Process(int((state / "jupyterhub.pid").read_text()))
     ours = [hub_process, psutil.Process(int((state / "proxy.pid").read_text())), *hub_process.children(recursive=True)]

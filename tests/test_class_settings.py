@@ -1,8 +1,8 @@
 """The class server's settings and roster are checked before anything starts (no root, no JupyterHub needed)."""
 import pytest
 
-from labsrc.core import class_accounts, class_settings
-from labsrc.core.class_server import memory_statement, tls_statement
+from labsrc.classroom import accounts, settings as class_settings
+from labsrc.classroom.server import memory_statement, tls_statement
 
 
 def write(tmp_path, text: str):
@@ -17,7 +17,7 @@ def test_the_shipped_settings_load_and_serve_loopback_without_claiming_tls():
     assert settings.loopback and not settings.tls and settings.url.startswith("http://127.0.0.1:")
     assert "TLS: off" in tls_statement(settings) and "loopback" in tls_statement(settings)
     assert "NOT enforced" in memory_statement(settings)  # the local spawner
-    assert [s.name for s in class_accounts.read_roster(settings.roster)] == ["ada", "alan"]
+    assert [s.name for s in accounts.read_roster(settings.roster)] == ["ada", "alan"]
 
 
 def test_opening_the_hub_without_tls_is_refused_unless_a_tls_proxy_is_declared(tmp_path):
@@ -54,24 +54,24 @@ def test_unknown_settings_and_bad_values_say_what_to_change(tmp_path):
 def test_a_roster_names_each_student_once_with_a_valid_username(tmp_path):
     roster = tmp_path / "roster.txt"
     roster.write_text("# class of 2026\nada, Ada Lovelace\n\nalan  # late\n")
-    assert class_accounts.read_roster(roster) == [class_accounts.Student("ada", "Ada Lovelace"),
-                                                  class_accounts.Student("alan")]
+    assert accounts.read_roster(roster) == [accounts.Student("ada", "Ada Lovelace"),
+                                                  accounts.Student("alan")]
     roster.write_text("ada\nAda Lovelace\n")
-    with pytest.raises(class_accounts.AccountError, match=":2: 'Ada Lovelace' is not a valid username"):
-        class_accounts.read_roster(roster)
+    with pytest.raises(accounts.AccountError, match=":2: 'Ada Lovelace' is not a valid username"):
+        accounts.read_roster(roster)
     roster.write_text("ada\nada\n")
-    with pytest.raises(class_accounts.AccountError, match="listed twice"):
-        class_accounts.read_roster(roster)
+    with pytest.raises(accounts.AccountError, match="listed twice"):
+        accounts.read_roster(roster)
 
 
 def test_the_systemd_spawner_missing_is_named_before_anything_starts(tmp_path):
     """spawner = 'systemd' without jupyterhub-systemdspawner: the start says what to install, not the hub's log."""
     import importlib.util
     import os
-    from labsrc.core import class_server
+    from labsrc.classroom import server
     if os.geteuid() != 0 or importlib.util.find_spec("jupyterhub") is None or importlib.util.find_spec(
             "jupyterhub_idle_culler") is None or importlib.util.find_spec("systemdspawner") is not None:
         pytest.skip("needs root, jupyterhub and its culler, and no systemdspawner installed")
     settings = class_settings.load(write(tmp_path, 'spawner = "systemd"\n'))
-    with pytest.raises(class_server.ClassServerError, match="jupyterhub-systemdspawner"):
-        class_server._check_prerequisites(settings)
+    with pytest.raises(server.ClassServerError, match="jupyterhub-systemdspawner"):
+        server._check_prerequisites(settings)

@@ -81,7 +81,7 @@ class Students:
     def open_way(self, name: str) -> None:
         """Let the student pass through the folders above this Python and the checkout (/root, a clone in a 0700
         temporary folder): ACL entries for their own group, revoked by remove(), as the class server grants them."""
-        from labsrc.core.class_accounts import blocked_directories, grant_access
+        from labsrc.classroom.accounts import blocked_directories, grant_access
         for _ in range(16):  # one blocked folder a path per pass: the next may lie below it
             blocked = blocked_directories([Path(sys.prefix), Path(sys.base_prefix), ROOT], name)
             if not blocked:
@@ -90,7 +90,7 @@ class Students:
         raise AssertionError(f"{name} still cannot reach this Python or the checkout: {blocked}")
 
     def remove(self) -> None:
-        from labsrc.core.class_accounts import revoke_access
+        from labsrc.classroom.accounts import revoke_access
         for name in self.homes:
             if AS_ROOT:
                 revoke_access(name, self.base)
@@ -278,7 +278,7 @@ def test_a_roster_line_that_is_not_a_login_is_named(tmp_path):
     roster.write_text("ada, Ada King Lovelace, ada@example.org\nbob  # no name given\ncy, Cy\n")
     assert [(s.id, s.first_name, s.last_name, s.email) for s in read_roster(roster)] == [
         ("ada", "Ada King", "Lovelace", "ada@example.org"), ("bob", None, None, None), ("cy", "Cy", None, None)]
-    from labsrc.core.class_accounts import read_roster as accounts
+    from labsrc.classroom.accounts import read_roster as accounts
     assert [(s.name, s.full_name) for s in accounts(roster)] == [("ada", "Ada King Lovelace"), ("bob", ""), ("cy", "Cy")]
 
 

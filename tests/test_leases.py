@@ -13,7 +13,8 @@ import psutil
 import pytest
 
 from labsrc import doctor, launch
-from labsrc.core import launch as launch_core, leases, pool_setup
+from labsrc.classroom import pool_setup
+from labsrc.core import launch as launch_core, leases
 from waiting import wait_until
 
 SHOW = textwrap.dedent("""\

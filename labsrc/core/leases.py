@@ -1,6 +1,6 @@
 """A class server's pool of GPUs and cores: each run leases its slots (a flock the kernel drops when the holder dies).
 
-    python -m labsrc.core.pool_setup init /srv/labsrc-pool --gpus 8 --gpus-per-run 2   # once
+    python -m labsrc.classroom.pool_setup init /srv/labsrc-pool --gpus 8 --gpus-per-run 2   # once
     export LABSRC_POOL_DIR=/srv/labsrc-pool     # every student's kernel (JupyterHub: the spawner's environment)
 
 A pool is a directory: `pool.json` (what it lends), one lock file per slot (`gpu0`..`gpu7`, `core0`..), a
@@ -88,10 +88,10 @@ def load(directory) -> Pool:
                     int(data["gpus_per_run"]), int(data["cores_per_run"]), bool(data.get("fake_gpus", False)))
     except FileNotFoundError:
         raise PoolError(f"{POOL_ENV}={directory} holds no pool ({path} is missing): create it with "
-                        f"`python -m labsrc.core.pool_setup init {directory} --gpus N` or unset {POOL_ENV}.") from None
+                        f"`python -m labsrc.classroom.pool_setup init {directory} --gpus N` or unset {POOL_ENV}.") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise PoolError(f"{path} is not a pool's configuration ({exc}): create it again with "
-                        f"`python -m labsrc.core.pool_setup init {directory} ...`.") from None
+                        f"`python -m labsrc.classroom.pool_setup init {directory} ...`.") from None
 
 
 def configured(environ=None) -> Pool | None:

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from labsrc.core.class_accounts import AccountError, read_roster as read_accounts
+from labsrc.classroom.accounts import AccountError, read_roster as read_accounts
 from labsrc.core.paths import REPO
 
 DEFAULT_EXCHANGE = Path("/srv/nbgrader/exchange")  # nbgrader's own default
@@ -45,7 +45,7 @@ class Student:
 
 
 def read_roster(path: Path) -> list[Student]:
-    """The class server's roster (labsrc.core.class_accounts.read_roster, whose rules it keeps: a login is a system
+    """The class server's roster (labsrc.classroom.accounts.read_roster, whose rules it keeps: a login is a system
     user's name): `login[,Full Name[,email]]` a line, `#` comments. nbgrader keeps a first and a last name: the full
     name's last word is the last name. A line that is not a roster line raises ValueError, naming it."""
     try:
@@ -62,10 +62,10 @@ def read_roster(path: Path) -> list[Student]:
 
 def default_roster() -> Path | None:
     """The roster the class server's settings name (cluster/classroom/classroom.toml), if they load."""
-    from labsrc.core import class_settings
+    from labsrc.classroom import settings
     try:
-        return (REPO / class_settings.load().roster).resolve()
-    except class_settings.SettingsError:
+        return (REPO / settings.load().roster).resolve()
+    except settings.SettingsError:
         return None
 
 

@@ -1,11 +1,11 @@
 """A class server in one command: JupyterHub for the course's students, their accounts and the GPU/core pool.
 
-    python -m labsrc.core.class_server start [--settings FILE]   # accounts, pool, hub in the background
-    python -m labsrc.core.class_server run   [--settings FILE]   # the same in the foreground (a systemd unit)
-    python -m labsrc.core.class_server stop  [--settings FILE]   # the hub, its proxy and every student's server
-    python -m labsrc.core.class_server remove-students [--settings FILE]   # the roster's accounts and homes
+    python -m labsrc.classroom.server start [--settings FILE]   # accounts, pool, hub in the background
+    python -m labsrc.classroom.server run   [--settings FILE]   # the same in the foreground (a systemd unit)
+    python -m labsrc.classroom.server stop  [--settings FILE]   # the hub, its proxy and every student's server
+    python -m labsrc.classroom.server remove-students [--settings FILE]   # the roster's accounts and homes
 
-Settings: cluster/classroom/classroom.toml (labsrc.core.class_settings). Runs as root: it creates system
+Settings: cluster/classroom/classroom.toml (labsrc.classroom.settings). Runs as root: it creates system
 accounts, and JupyterHub starts each student's server as that student.
 """
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import psutil
 
-from labsrc.core import class_accounts, class_settings, pool_setup
-from labsrc.core.class_hub import HUB_PORT_ENV, PROXY_API_PORT_ENV
-from labsrc.core.class_settings import PROXY_COMMAND, ClassSettings
+from labsrc.classroom import accounts, pool_setup, settings as class_settings
+from labsrc.classroom.hub import HUB_PORT_ENV, PROXY_API_PORT_ENV
+from labsrc.classroom.settings import PROXY_COMMAND, ClassSettings
 from labsrc.core.launch_request import free_port
 from labsrc.core.leases import PoolError
 from labsrc.core.paths import REPO
@@ -102,8 +102,8 @@ def prepare(settings: ClassSettings, echo=print, show_passwords: bool = True) ->
     os.chmod(state, 0o700)
     echo(tls_statement(settings))
     echo(memory_statement(settings))
-    students = class_accounts.read_roster(settings.roster)
-    created = class_accounts.ensure_students(students, settings.group, state / "passwords.txt")
+    students = accounts.read_roster(settings.roster)
+    created = accounts.ensure_students(students, settings.group, state / "passwords.txt")
     for name, password in created.items():
         echo(f"new student {name}: first password {password} (also in {state / 'passwords.txt'})" if show_passwords
              else f"new student {name}: first password in {state / 'passwords.txt'}")
@@ -119,14 +119,14 @@ def prepare(settings: ClassSettings, echo=print, show_passwords: bool = True) ->
     else:
         echo("pool: none (gpus = cores = 0): students' launches do not lease, and may collide on GPUs.")
     needed = [Path(sys.executable), REPO] + [settings.pool_directory] * settings.pooled
-    blocked = class_accounts.blocked_directories(needed, students[0].name)
+    blocked = accounts.blocked_directories(needed, students[0].name)
     if blocked and not settings.grant_group_traverse:
         raise ClassServerError(
             f"students cannot reach the course: {', '.join(map(str, blocked))} cannot be entered by "
             f"{students[0].name}. Install the course where students can read it (e.g. /opt/labsrc), or set "
             f"grant_group_traverse = true to let group {settings.group} pass through (setfacl).")
     if blocked:
-        class_accounts.grant_access(blocked, settings.group, state)
+        accounts.grant_access(blocked, settings.group, state)
         echo(f"group {settings.group} may now pass through {', '.join(map(str, blocked))} (ACL).")
     echo(solutions_statement(settings, students[0].name))
 
@@ -186,7 +186,7 @@ def _running(process: psutil.Process) -> bool:
 
 
 def _students_processes(settings: ClassSettings) -> list[psutil.Process]:
-    names = {s.name for s in class_accounts.read_roster(settings.roster)}
+    names = {s.name for s in accounts.read_roster(settings.roster)}
     return [p for p in psutil.process_iter(["username"]) if p.info["username"] in names and _running(p)]
 
 
@@ -214,7 +214,7 @@ def stop(settings: ClassSettings, timeout_s: float = 30) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labsrc.core.class_server", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m labsrc.classroom.server", description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=["start", "run", "stop", "remove-students"])
     parser.add_argument("--settings", default=os.environ.get(SETTINGS_ENV), help="default: " + str(
         class_settings.DEFAULT_FILE.relative_to(REPO)))
@@ -234,10 +234,10 @@ def main(argv: list[str] | None = None) -> int:
             print(("hub stopped" if running else f"no hub of {settings.source} was running")
                   + "".join(f"\nkilled what it left: {line}" for line in left))
         else:
-            removed = class_accounts.remove_students(class_accounts.read_roster(settings.roster), settings.group,
+            removed = accounts.remove_students(accounts.read_roster(settings.roster), settings.group,
                                                      settings.state_dir)
             print(f"removed {len(removed)} account(s) with their homes: {', '.join(removed) or 'none'}.")
-    except (ClassServerError, class_settings.SettingsError, class_accounts.AccountError) as exc:
+    except (ClassServerError, class_settings.SettingsError, accounts.AccountError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

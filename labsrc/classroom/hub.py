@@ -15,8 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from labsrc.core.class_accounts import read_roster
-from labsrc.core.class_settings import PROXY_COMMAND, ClassSettings
+from labsrc.classroom.accounts import read_roster
+from labsrc.classroom.settings import PROXY_COMMAND, ClassSettings
 from labsrc.core.paths import REPO
 
 HUB_PORT_ENV = "LABSRC_CLASS_HUB_PORT"
@@ -61,7 +61,7 @@ def copy_notebooks(name: str, course_folder: str, exchange: Path | None = None) 
 _AS_STUDENT = """\
 import json, sys
 from pathlib import Path
-from labsrc.core.class_hub import _copy_notebooks
+from labsrc.classroom.hub import _copy_notebooks
 home, folder, exchange = json.loads(sys.argv[1])
 print(json.dumps([str(path) for path in _copy_notebooks(home, folder, exchange and Path(exchange))]))
 """

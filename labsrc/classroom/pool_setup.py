@@ -1,8 +1,8 @@
 """Create a class server's pool (the instructor's side of labsrc.core.leases), or show it as JSON.
 
-    python -m labsrc.core.pool_setup init /srv/labsrc-pool --gpus 8 --gpus-per-run 2
-    python -m labsrc.core.pool_setup init /srv/labsrc-pool --cores 32 --cores-per-run 2
-    python -m labsrc.core.pool_setup status /srv/labsrc-pool
+    python -m labsrc.classroom.pool_setup init /srv/labsrc-pool --gpus 8 --gpus-per-run 2
+    python -m labsrc.classroom.pool_setup init /srv/labsrc-pool --cores 32 --cores-per-run 2
+    python -m labsrc.classroom.pool_setup status /srv/labsrc-pool
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ def init(directory, gpus: int = 0, cores: int = 0, gpus_per_run: int = 0, cores_
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labsrc.core.pool_setup", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m labsrc.classroom.pool_setup", description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
     made = commands.add_parser("init", help="create a pool (or reshape one nobody leases from)")
     made.add_argument("directory")
