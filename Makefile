@@ -82,7 +82,7 @@ test-load: setup
 	$(PYTHON) tools/load_harness.py --load $(LOAD) --runs $(RUNS) $(if $(strip $(NOTEBOOKS)),--notebooks $(NOTEBOOKS)) \
 		$(if $(strip $(NEIGHBOUR)),--neighbour $(NEIGHBOUR))
 
-# A real Slurm cluster of two emulated nodes on this machine (labsrc/core/slurm_cluster.py; cluster/README.md):
+# A real Slurm cluster of two emulated nodes on this machine (labsrc/nodes/slurm_cluster.py; cluster/README.md):
 # Debian's slurm-wlm and munge, installed here as root when missing; otherwise say what to do.
 slurm-packages:
 	@if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null; then :; \

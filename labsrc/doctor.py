@@ -11,11 +11,12 @@ import time
 import torch
 import torch.distributed as dist
 
-from labsrc.core import emulated_nodes, leases
+from labsrc.core import leases
 from labsrc.core.hardware import Hardware, detect, simulated
 from labsrc.core.plan import make_plan
 from labsrc.core.profiles import PROFILE_ENV, ProfileError, pick_profile
 from labsrc.core.world import max_cpu_ranks
+from labsrc.nodes import network
 
 LESSONS = ("00_setup", "01_dp_vs_ddp", "01b_your_ddp_script", "02_collectives", "03_data_loading",
            "04_ddp_internals", "05_mixed_precision", "06_performance_scaling", "06b_across_nodes",
@@ -88,10 +89,10 @@ def lab_scales(plan: dict | None, profile_name: str, gpus: int) -> dict:
 
 
 def emulated_nodes_report(measured: bool) -> dict:
-    """Can runs here give each node its own network namespace and a shaped link (labsrc.core.emulated_nodes)?"""
+    """Can runs here give each node its own network namespace and a shaped link (labsrc.nodes.network)?"""
     if not measured:
         return {"ok": None, "how": "", "reason": "not probed: this is a simulated machine"}
-    found = emulated_nodes.availability()
+    found = network.availability()
     return {"ok": found.ok, "how": found.how, "reason": found.reason}
 
 

@@ -180,8 +180,8 @@ def test_lab_on_one_host():
 @pytest.mark.slow
 def test_lab_on_emulated_nodes():
     from labsrc import launch
-    from labsrc.core import emulated_nodes
-    available = emulated_nodes.availability()
+    from labsrc.nodes import network
+    available = network.availability()
     if not available.ok:
         pytest.skip(f"emulated nodes unavailable: {available.reason}")
     result = launch.run("across_nodes", nproc=2, nnodes=2, link="1gbit", timeout=120, echo=False,
@@ -204,12 +204,12 @@ def test_fit_inside_is_lesson_02s_ring_link_of_the_nodes_all_reduce():
 
 def test_bench_nodes_says_why_it_cannot_run_and_refuses_a_bad_rate(monkeypatch, capsys):
     from labsrc import bench
-    from labsrc.core import emulated_nodes
+    from labsrc.nodes import network
     monkeypatch.setenv("LABSRC_EMULATED_NODES", "off")
     assert bench.main(["nodes"]) == 2
     assert "LABSRC_EMULATED_NODES=off" in capsys.readouterr().out
     monkeypatch.delenv("LABSRC_EMULATED_NODES")
-    if emulated_nodes.availability().ok:
+    if network.availability().ok:
         with pytest.raises(SystemExit):
             bench.main(["nodes", "--links", "fast"])
         assert "link" in capsys.readouterr().err

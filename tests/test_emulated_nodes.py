@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from labsrc import launch
-from labsrc.core import emulated_nodes, network_holder
-from labsrc.core.emulated_nodes import Link, Network, parse_link
 from labsrc.core.world import RequestError
+from labsrc.nodes import network as emulated_nodes, network_holder
+from labsrc.nodes.network import Link, Network, parse_link
 
 AVAILABLE = emulated_nodes.availability()
 needs_namespaces = pytest.mark.skipif(not AVAILABLE.ok, reason=f"emulated nodes unavailable: {AVAILABLE.reason}")

@@ -1,4 +1,4 @@
-"""The course's rendered sbatch script on a real Slurm cluster of emulated nodes (labsrc.core.slurm_cluster).
+"""The course's rendered sbatch script on a real Slurm cluster of emulated nodes (labsrc.nodes.slurm_cluster).
 
 Needs root and Debian's slurm-wlm and munge (`make test-slurm` installs them); skips with the reason elsewhere.
 One cluster for the module: the elastic lab across node0 and node1, then node1 lost two ways (its torchrun agent
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from labsrc.core import slurm_cluster
+from labsrc.nodes import slurm_cluster
 
 FOUND = slurm_cluster.availability()
 pytestmark = pytest.mark.skipif(not FOUND.ok, reason=FOUND.reason)
@@ -25,7 +25,7 @@ def _of_a_course_cluster(proc) -> bool:
         text = " ".join(proc.cmdline()) + " " + proc.environ().get("SLURM_CONF", "")
     except (psutil.Error, OSError):
         return False
-    return slurm_cluster.FOLDER_PREFIX in text or "labsrc.core.slurm_holder" in text
+    return slurm_cluster.FOLDER_PREFIX in text or "labsrc.nodes.slurm_holder" in text
 
 
 def leftovers() -> list[str]:
@@ -115,7 +115,7 @@ def test_a_killed_launcher_leaves_nothing_behind():
     import signal
     import sys
     import time
-    code = ("from labsrc.core.slurm_cluster import SlurmCluster; import sys, time; c = SlurmCluster(nodes=1); "
+    code = ("from labsrc.nodes.slurm_cluster import SlurmCluster; import sys, time; c = SlurmCluster(nodes=1); "
             "print(c.folder, flush=True); time.sleep(600)")
     before = set(leftovers())  # the module's cluster, if it is still up
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from labsrc.core import emulated_nodes, leases, runs
+from labsrc.core import leases, runs
 from labsrc.core.launch_lease import lease_need, pool_limits, take_lease
 from labsrc.core.launch_request import (Nodes, Target, check_args, check_number, check_port, check_profile,
                                         free_port, lab_options_argv, parse_nodes, resolve_target)
@@ -25,6 +25,7 @@ from labsrc.core.processes import RUN_ID_ENV, end_run, processes_of_run, termina
 from labsrc.core.progress import in_notebook, make_progress
 from labsrc.core.rank_output import OUTPUT_FILE, LineTail
 from labsrc.core.world import BACKEND_ENV, RequestError, validate_request
+from labsrc.nodes import network as emulated_nodes
 
 __all__ = ["start", "run", "Launch", "RunResult", "LaunchError", "LaunchTimeout", "LaunchInterrupted", "RankFailed",
            "RequestError", "processes_of_run", "end_run"]
@@ -318,7 +319,7 @@ def start(target: str, nproc: int = 2, args: list | tuple = (), timeout: float =
     target: a script path ("my_ddp.py"), a dotted module ("pkg.train") or a course lab ("setup"); **options
     are a course lab's typed options. link: None (nodes share this machine's loopback) or a rate ("100mbit",
     "1gbit", emulated_nodes.Link(bits)): each node then gets its own network namespace, address and a link
-    shaped to that rate (see labsrc.core.emulated_nodes). Everything is checked before anything starts
+    shaped to that rate (see labsrc.nodes.network). Everything is checked before anything starts
     (RequestError says what to do). On a class server (LABSRC_POOL_DIR names a pool, labsrc.core.leases) the
     run leases its GPUs (one per NCCL rank, or those gloo ranks share) or cores before torchrun starts and
     sees only those; a wait for them counts against `timeout` and, when too long, raises LaunchTimeout.

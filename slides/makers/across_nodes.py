@@ -9,9 +9,9 @@ def make(save):
     import matplotlib.pyplot as plt
     from labsrc import launch
     from labsrc.lessons.across_nodes import analysis
-    from labsrc.core import emulated_nodes
+    from labsrc.nodes import network
     from labsrc.lessons.across_nodes import plots
-    link = "100mbit" if emulated_nodes.availability().ok else None
+    link = "100mbit" if network.availability().ok else None
     two = launch.run("across_nodes", nproc=2, nnodes=2, link=link, timeout=240, echo=False,
                      experiments=("link", "all_reduce", "parallelism"))
     four = launch.run("across_nodes", nproc=1, nnodes=4, link=link, timeout=240, echo=False,

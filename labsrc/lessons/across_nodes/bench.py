@@ -65,16 +65,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed repeats per point; the fastest is kept")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds each launch may take")
     options = parser.parse_args(argv)
-    from labsrc.core import emulated_nodes
+    from labsrc.nodes import network
     from labsrc.core.world import RequestError
-    available = emulated_nodes.availability()
+    available = network.availability()
     if not available.ok:
         print(f"emulated nodes are not available here: {available.reason}")
         return 2
     all_met = True
     for link in options.links:
         try:
-            emulated_nodes.parse_link(link)  # a bad rate is refused before anything starts
+            network.parse_link(link)  # a bad rate is refused before anything starts
         except RequestError as exc:
             parser.error(str(exc))
     for link in options.links:

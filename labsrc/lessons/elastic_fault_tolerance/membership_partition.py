@@ -18,9 +18,10 @@ import signal
 import time
 from dataclasses import dataclass
 
-from labsrc.core import emulated_nodes, runs
+from labsrc.core import runs
 from labsrc.core.launch import ELASTIC_RDZV_CONF, Launch, end_run, start
 from labsrc.lessons.elastic_fault_tolerance.membership import resumable_steps_at, store_host, wait_until
+from labsrc.nodes import network
 
 
 @dataclass(frozen=True)
@@ -64,7 +65,7 @@ class Partition:
 def start_partition_run(pg_timeout_s: float = 3.0, epochs: int = 1, timeout: float = 120.0,
                         link: str = "100mbit", **settings) -> Launch:
     """An elastic 1:2 run of lesson 10's lab, on emulated nodes where this machine has them, else on loopback."""
-    emulated = emulated_nodes.availability()
+    emulated = network.availability()
     return start("elastic_fault_tolerance", nproc=1, nnodes="1:2", timeout=timeout, max_restarts=3,
                  reference=False, epochs=epochs, step_sleep_s=0.3, pg_timeout_s=pg_timeout_s,
                  link=link if emulated.ok else None, **settings)
@@ -112,7 +113,7 @@ def _partition_node(started: Launch, steps_before: int, timeout_s: float) -> Par
     done_s = time.time() - cut_wall
     alive = started.agents[node].poll() is None
     started.end_node(node)  # SIGKILL: also ends a stopped process, and one waiting on a store it cannot reach
-    return Partition("cut link" if emulated else "frozen node", emulated_nodes.availability().reason, node,
+    return Partition("cut link" if emulated else "frozen node", network.availability().reason, node,
                      cut_wall, done_s, alive)
 
 

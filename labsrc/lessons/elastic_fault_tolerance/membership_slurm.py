@@ -1,6 +1,6 @@
 """Lesson 10b on a real Slurm cluster of emulated nodes: the course's sbatch script, submitted, run and broken.
 
-    with SlurmCluster() as cluster:                                   # labsrc.core.slurm_cluster
+    with SlurmCluster() as cluster:                                   # labsrc.nodes.slurm_cluster
         ok = run_job(cluster, "none")                                 # the elastic lab across node0 and node1
         lost = run_job(cluster, "kill_agent", kill_on_bad_exit=False) # node1's torchrun agent SIGKILLed mid-run
     python -m labsrc.lessons.elastic_fault_tolerance.membership_slurm                    # make slurm-cluster: start one, say how to use it
@@ -21,10 +21,10 @@ from pathlib import Path
 from labsrc.core import runs
 from labsrc.core.launch import ELASTIC_RDZV_CONF
 from labsrc.core.paths import REPO
-from labsrc.core.slurm_cluster import SlurmCluster
 from labsrc.core.world import RequestError
 from labsrc.lessons.elastic_fault_tolerance.cluster import ClusterJob, render_sbatch
 from labsrc.lessons.elastic_fault_tolerance.lab import Finished, Resume, TrainStep
+from labsrc.nodes.slurm_cluster import SlurmCluster
 
 FAULTS = ("none", "kill_agent", "cut_link")
 LOST_NODE = 1
@@ -154,7 +154,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(prog="python -m labsrc.lessons.elastic_fault_tolerance.membership_slurm")
     parser.add_argument("--stop", action="store_true", help="stop the cluster another `make slurm-cluster` started")
     if parser.parse_args().stop:
-        from labsrc.core.slurm_cluster import stop_others
+        from labsrc.nodes.slurm_cluster import stop_others
         print(f"stopped {stop_others()} emulated Slurm cluster(s)")
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -1,13 +1,13 @@
 """The one process that owns an emulated Slurm cluster: init of its own PID namespace, so nothing outlives it.
 
-    unshare --pid --kill-child --mount-proc -- python -m labsrc.core.slurm_holder --dir D --nodes 2
+    unshare --pid --kill-child --mount-proc -- python -m labsrc.nodes.slurm_holder --dir D --nodes 2
 
 It runs as PID 1 of a fresh PID and mount namespace: when it dies, for any reason, the kernel kills every process
 of the namespace (munged, slurmctld, each slurmd, every job step and rank), and `--kill-child` makes it die with
 `unshare`, which dies with its launcher (PR_SET_PDEATHSIG). In its own mount namespace it bind-mounts D/hosts on
 /etc/hosts, so the node names resolve there and nowhere else. It builds an emulated network of nodes + 1
-(labsrc.core.emulated_nodes): node i is the compute node `node<i>`, the last one is `head` (slurmctld, and the
-namespace clients run in). Everything Slurm writes lives in D (labsrc.core.slurm_cluster writes the config).
+(labsrc.nodes.network): node i is the compute node `node<i>`, the last one is `head` (slurmctld, and the
+namespace clients run in). Everything Slurm writes lives in D (labsrc.nodes.slurm_cluster writes the config).
 It prints one JSON line when the nodes are idle ({"head": pid, "nodes": [pid, ...]}, pids in its namespace) or
 {"error": "..."}, then answers "cut I" / "restore I" (node I's link) and "end" on stdin.
 """
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-HOLDER_MODULE = "labsrc.core.slurm_holder"
+HOLDER_MODULE = "labsrc.nodes.slurm_holder"
 HEAD = "head"
 LINK = "1gbit"
 READY_TIMEOUT_S = 60.0
@@ -50,7 +50,7 @@ class Daemons:
     """The cluster's processes, started in their namespaces, their output in D/log/<name>.out."""
 
     def __init__(self, folder: Path, nodes: int):
-        from labsrc.core.emulated_nodes import Network, parse_link
+        from labsrc.nodes.network import Network, parse_link
         self.folder, self.nodes, self.exits = folder, nodes, {}
         self.env = dict(os.environ, SLURM_CONF=str(folder / "slurm.conf"))
         subprocess.run(["mount", "--bind", str(folder / "hosts"), "/etc/hosts"], check=True, capture_output=True)

@@ -5,13 +5,13 @@
         job = cluster.submit(script_text)           # sbatch; the job runs across node0 and node1
         cluster.wait(job); print(cluster.job(job)["JobState"])
 
-    python -m labsrc.core.slurm_cluster             # (make slurm-cluster) start one and say how to use it
+    python -m labsrc.nodes.slurm_cluster             # (make slurm-cluster) start one and say how to use it
 
-Each node is an emulated node (labsrc.core.emulated_nodes: its own network namespace, eth0 at 198.18.0.(i+1))
+Each node is an emulated node (labsrc.nodes.network: its own network namespace, eth0 at 198.18.0.(i+1))
 with its own host name (node0, node1; a UTS namespace); `head` (198.18.0.(nodes+1)) runs slurmctld and is where
 clients (sinfo, sbatch, scontrol) run. Config, keys, sockets, spool, state and logs live in one temporary
 folder; the names resolve through a hosts file bind-mounted over /etc/hosts inside the cluster's own mount
-namespace only. One holder (labsrc.core.slurm_holder) is PID 1 of the cluster's PID namespace: every process of
+namespace only. One holder (labsrc.nodes.slurm_holder) is PID 1 of the cluster's PID namespace: every process of
 the cluster dies with it, and it dies with this process. A crashed run's folder is removed at the next start.
 """
 from __future__ import annotations
@@ -26,17 +26,17 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from labsrc.core.network_holder import node_address, read_answer
 from labsrc.core.paths import REPO
-from labsrc.core.slurm_holder import HEAD, HOLDER_MODULE, READY_TIMEOUT_S, node_name
 from labsrc.core.world import RequestError
+from labsrc.nodes.network_holder import node_address, read_answer
+from labsrc.nodes.slurm_holder import HEAD, HOLDER_MODULE, READY_TIMEOUT_S, node_name
 
 DAEMONS = ("slurmctld", "slurmd", "munged", "sbatch", "scontrol", "sinfo", "srun")
 FOLDER_PREFIX = "labsrc-slurm-"
 OWNER_FILE = "owner.json"
 SWITCH_ENV = "LABSRC_SLURM"  # "off": behave as if Slurm were unavailable
 CONFIG = """\
-# Written by labsrc.core.slurm_cluster for an emulated cluster; everything lives under {d}
+# Written by labsrc.nodes.slurm_cluster for an emulated cluster; everything lives under {d}
 ClusterName=labsrc
 SlurmctldHost={head}({head_addr})
 SlurmUser=root
@@ -92,7 +92,7 @@ def availability() -> Availability:
     if missing:
         return Availability(False, f"{', '.join(missing)} not found: install Debian's packages as root "
                                    f"(apt-get install -y slurm-wlm munge), or run `make test-slurm`.")
-    from labsrc.core.emulated_nodes import availability as nodes_availability
+    from labsrc.nodes.network import availability as nodes_availability
     found = nodes_availability()
     if not found.ok or found.how != "root":
         return Availability(False, f"emulated nodes (as root) are needed: {found.reason}")

@@ -1,6 +1,6 @@
 """The one process that owns an emulated-nodes network: a switch namespace, one namespace per node, shaped links.
 
-    unshare --net [--user --map-root-user] -- python -m labsrc.core.network_holder --nodes 2 --rate 100000000 --parent PID
+    unshare --net [--user --map-root-user] -- python -m labsrc.nodes.network_holder --nodes 2 --rate 100000000 --parent PID
 
 Its own network namespace is the switch: a bridge `switch` with one port `node<i>` per node. Each node is a
 child process in a fresh network namespace holding the other end of that veth pair, named `eth0`, with the
@@ -25,7 +25,7 @@ import sys
 
 CLONE_NEWNET = 0x40000000
 PR_SET_PDEATHSIG = 1
-HOLDER_MODULE = "labsrc.core.network_holder"
+HOLDER_MODULE = "labsrc.nodes.network_holder"
 HOLDER_ENV = "LABSRC_NETWORK_HOLDER"  # on every node process: the pid of the holder that owns its namespace
 SWITCH = "switch"
 INTERFACE = "eth0"
@@ -145,7 +145,7 @@ def holder_processes() -> list:
 
 
 def in_other_pid_namespace(pid: int) -> bool:
-    """Is `pid` in a PID namespace other than ours (e.g. an emulated Slurm cluster's, labsrc.core.slurm_holder)?
+    """Is `pid` in a PID namespace other than ours (e.g. an emulated Slurm cluster's, labsrc.nodes.slurm_holder)?
 
     Its pids (--parent, LABSRC_NETWORK_HOLDER) are numbers of that namespace, which we cannot check from here;
     it needs no check: every process in it dies with the namespace's first process.
@@ -250,7 +250,7 @@ def _kill(proc) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labsrc.core.network_holder")
+    parser = argparse.ArgumentParser(prog="python -m labsrc.nodes.network_holder")
     parser.add_argument("--nodes", type=int, required=True)
     parser.add_argument("--rate", type=int, required=True, help="each link's rate in bit/s")
     parser.add_argument("--delay-us", type=int, default=0, help="netem delay on each hop (two hops node to node)")

@@ -5,7 +5,7 @@
 Node i lives in its own network namespace with the interface eth0 at 198.18.0.(i+1)/15, wired to a switch (a
 bridge in one more namespace); both directions of each node's link are shaped with HTB. Ranks on one node talk
 over its loopback (fast); ranks on different nodes cross two shaped hops (node -> switch -> node). One holder
-process (labsrc.core.network_holder) owns every namespace: they vanish with it, and it dies with the launcher.
+process (labsrc.nodes.network_holder) owns every namespace: they vanish with it, and it dies with the launcher.
 Works as root, or for any user through a user namespace where the kernel allows it; `availability()` says which,
 or why not and what would enable it. Latency: a Link adds it (`Link(rate, latency_s=...)`) only where the
 kernel has the netem qdisc (availability().netem); where it has not, the lessons model latency instead.
@@ -21,10 +21,10 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from labsrc.core.network_holder import (HOLDER_ENV, HOLDER_MODULE, INTERFACE, end_stale_leftovers, node_address,
-                                         read_answer)
 from labsrc.core.paths import REPO
 from labsrc.core.world import RequestError
+from labsrc.nodes.network_holder import (HOLDER_ENV, HOLDER_MODULE, INTERFACE, end_stale_leftovers, node_address,
+                                         read_answer)
 
 SWITCH_ENV = "LABSRC_EMULATED_NODES"  # "off": behave as if emulated nodes were unavailable
 NODE_ENV, ADDRESS_ENV, LINK_ENV = "LABSRC_NODE", "LABSRC_NODE_ADDRESS", "LABSRC_LINK_BITS"
