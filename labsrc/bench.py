@@ -68,7 +68,7 @@ def format_result(result: dict) -> str:
 def measure(options: Options, hardware: Hardware) -> dict:
     """The bench's result: under torchrun above world size 1, in a world of one with ddp, else plainly here."""
     if options.world_size > 1:  # DDP across processes: torchrun starts them
-        from labsrc.core import launch
+        from labsrc import launch
         forwarded = {k: v for k, v in options.changed().items() if k not in ("backend", "profile")}
         outcome = launch.run("bench", nproc=options.world_size, timeout=1800, backend=options.backend,
                              profile=options.profile, **forwarded)

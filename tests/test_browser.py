@@ -28,7 +28,7 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "-
 
 CELLS = [
     # 0: a launch, as 00_setup does
-    "import functools\n\nfrom labsrc.core import launch\nfrom labsrc.core.widgets import rerun_controls\n"
+    "import functools\n\nfrom labsrc import launch\nfrom labsrc.core.widgets import rerun_controls\n"
     "from labsrc.lessons.setup.lab import AllReduce\nfrom labsrc.core.figures import bars\n\n"
     "result = launch.run('setup', nproc=2, timeout=120, hold_s=2)",
     # 1: a rerun panel whose show draws a figure (as 01, 03, 04 and 05 do) and whose fail_rank plants a crash
@@ -47,7 +47,7 @@ CELLS = [
 
 
 def _free_port() -> int:
-    from labsrc.core.launch_request import free_port
+    from labsrc.launch import free_port
     return free_port()
 
 

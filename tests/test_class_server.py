@@ -50,7 +50,7 @@ seen = {"user": pwd.getpwuid(os.getuid()).pw_name, "gpus": os.environ.get("CUDA_
 with open(sys.argv[1], "w") as out:
     json.dump(seen, out)
 """
-LAUNCH = ("import os\nfrom labsrc.core import launch\n{pool}"
+LAUNCH = ("import os\nfrom labsrc import launch\n{pool}"
           "launch.run({script!r}, nproc=1, timeout=150, args=[{out!r}, '{sleep}'])\nprint('launch ended')")
 
 
@@ -84,7 +84,7 @@ class Hub:
 @pytest.fixture(scope="module")
 def hub():
     from labsrc.classroom import server as class_server
-    from labsrc.core.launch_request import free_port
+    from labsrc.launch import free_port
     base = Path(tempfile.mkdtemp(prefix="labsrc-hub-", dir="/tmp"))
     base.chmod(0o755)  # the students reach the pools and the script through it
     suffix = secrets.token_hex(2)

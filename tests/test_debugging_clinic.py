@@ -38,7 +38,7 @@ def test_flight_recorder_finds_the_skipped_collective_and_torchfrtrace_refuses_g
     import sys
     divergence = in_fresh_interpreter(
         "import json\n"
-        "from labsrc import debugging_clinic as clinic\n"
+        "from labsrc.lessons.debugging_clinic import collective_bugs as clinic\n"
         "from torch._C._distributed_c10d import _dump_fr_trace\n"
         "def dumped(ctx, variant, timeout_s):\n"
         "    outcome = clinic.skipped_collective(ctx, variant, timeout_s)\n"
@@ -108,7 +108,7 @@ def test_matmul_arms_run_with_the_threads_they_ask_for_and_restore_the_count():
     import torch
     measured = in_fresh_interpreter(
         "import json\n"
-        "from labsrc import debugging_clinic_training as training\n"
+        "from labsrc.lessons.debugging_clinic import training_bugs as training\n"
         "from labsrc.core.forked import run_ranks\n"
         "print(json.dumps({t: [r['threads'] for r in run_ranks(training.matmul_seconds, 2, args=(t, 64, 2),\n"
         "                                                          timeout_s=60)] for t in (1, 2)}))\n")

@@ -234,7 +234,7 @@ def test_curve_gaps_compare_the_rank_mean_with_one_process_per_variant():
 
 @pytest.mark.slow
 def test_lab_records_every_experiment(tmp_path, monkeypatch):
-    from labsrc.core import launch
+    from labsrc import launch
     from labsrc.lessons.dp_vs_ddp.lab import DdpStep, Denominators, Gradients, NoiseStep, SingleStep, StepTiming
     monkeypatch.setenv("LABSRC_RUNS", str(tmp_path))
     result = launch.run("dp_vs_ddp", nproc=2, timeout=180, profile="ci", global_batch=32)

@@ -184,7 +184,7 @@ def test_the_store_setting_the_demos_need_is_in_every_template_and_pinned_to_the
     import os
     from unittest import mock
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
-    from labsrc.core.launch import OWN_STORE_ENV, OWN_STORE_TORCH, child_environment
+    from labsrc.launch.command import OWN_STORE_ENV, OWN_STORE_TORCH, child_environment
     from labsrc.lessons.elastic_fault_tolerance.cluster import ClusterJob, render_node_command, render_sbatch
     job = ClusterJob(nodes=2, min_nodes=1)
     for text in (render_sbatch(job), render_sbatch(job, gpus=False), render_node_command(job, 1)):
@@ -218,7 +218,7 @@ def test_ip_over_infiniband_is_a_valid_socket_interface():
 
 
 def test_the_real_rendezvous_api_forms_a_group_of_one():
-    from labsrc.core.launch_request import free_port
+    from labsrc.launch import free_port
     from labsrc.lessons.elastic_fault_tolerance.cluster import rendezvous_demo
     info = rendezvous_demo(free_port())
     assert (info["handler"], info["backend"], info["rank"], info["world_size"]) == \

@@ -4,7 +4,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from labsrc.core.launch import ELASTIC_RDZV_CONF
+from labsrc.launch import ELASTIC_RDZV_CONF
 from labsrc.lessons.elastic_fault_tolerance.membership_partition import Partition, partition_timeline, rendezvous_timeouts
 
 

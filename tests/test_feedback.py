@@ -38,7 +38,7 @@ def test_plain_python_keeps_the_usual_traceback():
 
 def test_stopping_a_launch_is_a_short_box_and_the_bars_say_stopped():
     stop = ("import os, signal, threading\n"
-            "from labsrc.core import launch\n"
+            "from labsrc import launch\n"
             "threading.Timer(12, os.kill, (os.getpid(), signal.SIGINT)).start()  # what the stop button does\n"
             "launch.run('setup', nproc=2, timeout=120, hold_s=60)")
     notebook = run_in_kernel([stop, "import sys; print(type(sys.last_value).__name__)"], allow_errors=True,
@@ -49,7 +49,7 @@ def test_stopping_a_launch_is_a_short_box_and_the_bars_say_stopped():
     tracebacks = [o["traceback"] for o in outputs if o["output_type"] == "error"]
     assert not any(tracebacks), f"a stop should not print the launcher's traceback: {tracebacks}"
     with pytest.raises(CellExecutionError, match="LaunchInterrupted"):  # the cell still failed
-        run_in_kernel(["from labsrc.core.launch_result import LaunchInterrupted\nraise LaunchInterrupted('x')"],
+        run_in_kernel(["from labsrc.launch.result import LaunchInterrupted\nraise LaunchInterrupted('x')"],
                       **WATCHED)
     assert "LaunchInterrupted" in notebook.cells[1].outputs[0]["text"], "%tb would not find the traceback"
     headers = [state["value"] for state in widget_states(notebook, "HTMLModel") if "rank(s)" in state["value"]]

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from labsrc.core import launch
+from labsrc import launch
 from labsrc.core.world import gpu_count
 
 needs_gpu = pytest.mark.skipif(gpu_count() < 1, reason="needs a CUDA GPU (none visible here)")

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 
 from labsrc import launch
-from labsrc.core.launch import timeout_advice
-from labsrc.core.launch_request import course_labs
 from labsrc.core.world import RequestError
+from labsrc.launch.cli import main as launch_main
+from labsrc.launch.request import course_labs
+from labsrc.launch.result import timeout_advice
 
 pytestmark = pytest.mark.slow
 
@@ -270,7 +271,7 @@ def test_impossible_requests_fail_with_advice(runs, settings, message):
     (["stup"], "Course labs: "),
 ])
 def test_cli_bad_values_exit_2_with_a_message(runs, capsys, argv, message):
-    assert launch.main(argv) == 2
+    assert launch_main(argv) == 2
     assert message in capsys.readouterr().err
     assert not runs.exists() or not any(runs.glob("*/*"))
 
@@ -279,14 +280,15 @@ def test_cli_bad_values_exit_2_with_a_message(runs, capsys, argv, message):
 def test_simulated_nodes_sharing_gpus_are_handed_gloo_not_nccl(monkeypatch, tmp_path):
     # Each node's torchrun alone would see one rank and one GPU and pick NCCL, which refuses two ranks of one
     # world on one GPU ("Duplicate GPU detected", seen on an H200): the launcher decides for the whole machine.
-    from labsrc.core import launch as launch_core, world
+    from labsrc.core import world
+    from labsrc.launch import launcher
     monkeypatch.setattr(world, "gpu_count", lambda: 4)  # enough GPUs for NCCL by count: still gloo
     handed = {}
-    monkeypatch.setattr(launch_core, "Launch", lambda *args, **kwargs: handed.setdefault("env", args[5]))
-    launch_core.start("setup", nproc=1, nnodes=2, runs_root=tmp_path)
+    monkeypatch.setattr(launcher, "Launch", lambda *args, **kwargs: handed.setdefault("env", args[5]))
+    launcher.start("setup", nproc=1, nnodes=2, runs_root=tmp_path)
     assert handed["env"][world.BACKEND_ENV] == "gloo"
     handed.clear()
-    launch_core.start("setup", nproc=1, nnodes=1, runs_root=tmp_path)
+    launcher.start("setup", nproc=1, nnodes=1, runs_root=tmp_path)
     assert world.BACKEND_ENV not in handed["env"] or handed["env"][world.BACKEND_ENV] != "gloo"
-    with pytest.raises(launch_core.RequestError, match="simulated nodes share"):
-        launch_core.start("setup", nproc=1, nnodes=2, backend="nccl", runs_root=tmp_path)
+    with pytest.raises(launch.RequestError, match="simulated nodes share"):
+        launcher.start("setup", nproc=1, nnodes=2, backend="nccl", runs_root=tmp_path)

@@ -14,7 +14,9 @@ import pytest
 
 from labsrc import doctor, launch
 from labsrc.classroom import pool_setup
-from labsrc.core import launch as launch_core, leases
+from labsrc.core import leases
+from labsrc.launch import launcher
+from labsrc.launch.command import child_environment
 from waiting import wait_until
 
 SHOW = textwrap.dedent("""\
@@ -83,7 +85,7 @@ def rank_running(runs_dir: Path) -> bool:
     for run_dir in runs_dir.glob("*"):
         for process in launch.processes_of_run(run_dir.name, None):
             try:
-                if "labsrc.core.rank_entry" in process.cmdline() and "torch.distributed.run" not in process.cmdline():
+                if "labsrc.launch.rank_entry" in process.cmdline() and "torch.distributed.run" not in process.cmdline():
                     return True
             except psutil.Error:
                 pass
@@ -231,16 +233,16 @@ def test_an_interrupt_while_waiting_ends_the_launcher_and_leaves_the_queue(tmp_p
 def test_without_a_pool_the_launch_environment_is_as_before(tmp_path, monkeypatch):
     monkeypatch.delenv(leases.POOL_ENV, raising=False)
     handed = {}
-    monkeypatch.setattr(launch_core, "Launch", lambda *args: handed.setdefault("args", args))
-    launch_core.start("setup", nproc=2, runs_root=tmp_path)
+    monkeypatch.setattr(launcher, "Launch", lambda *args: handed.setdefault("args", args))
+    launcher.start("setup", nproc=2, runs_root=tmp_path)
     args = handed["args"]
     run_dir, env, pool, need = args[3], args[5], args[10], args[11]
     assert pool is None and not need
-    assert env == launch_core.child_environment(2, run_dir, run_dir.name, None, None, False, None)
+    assert env == child_environment(2, run_dir, run_dir.name, None, None, False, None)
     handed.clear()
     made = make_pool(tmp_path, gpus=2, cores=1)
     monkeypatch.setenv(leases.POOL_ENV, str(made.directory))
-    launch_core.start("setup", nproc=2, runs_root=tmp_path)
+    launcher.start("setup", nproc=2, runs_root=tmp_path)
     assert handed["args"][10] == made and handed["args"][11] == leases.Need(gpus=2, cores=1)
 
 

@@ -7,9 +7,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labsrc.core import runs
 from labsrc.core.forked import run_ranks
-from labsrc.core.launch import RunResult
 from labsrc.core.profiles import PROFILES
 from labsrc.core.world import RequestError
+from labsrc.launch import RunResult
 from labsrc.lessons.dp_vs_ddp import sync
 from labsrc.lessons.mixed_precision import precision, under_ddp
 from labsrc.lessons.mixed_precision.lab import AmpStep, GradientBytes, ModeCost, Options, SkippedMode, micro_batch_size, \

@@ -203,7 +203,7 @@ def test_options_refuse_what_cannot_run(values, message):
 
 
 def test_lab_launch_records_every_experiment():
-    from labsrc.core import launch
+    from labsrc import launch
     result = launch.run("pipeline_parallel", nproc=2, timeout=240, echo=False, micro_batches=(1, 2), repeats=1,
                         box_ms=5, memory_micro_batches=4)
     checks = result.of(lab.GradientCheck)

@@ -23,9 +23,9 @@ import psutil
 from labsrc.classroom import accounts, pool_setup, settings as class_settings
 from labsrc.classroom.hub import HUB_PORT_ENV, PROXY_API_PORT_ENV
 from labsrc.classroom.settings import PROXY_COMMAND, ClassSettings
-from labsrc.core.launch_request import free_port
 from labsrc.core.leases import PoolError
 from labsrc.core.paths import REPO
+from labsrc.launch import free_port
 
 CONFIG = REPO / "cluster" / "classroom" / "jupyterhub_config.py"
 SETTINGS_ENV = "LABSRC_CLASS_SETTINGS"

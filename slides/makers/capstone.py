@@ -14,7 +14,7 @@ def schedule_figure():
 
 def make(save):
     from labsrc.lessons.capstone import recipe
-    from labsrc.core import launch
+    from labsrc import launch
     from labsrc.core.plan import make_plan
     from labsrc.lessons.capstone.lab import Evaluation
     from labsrc.lessons.capstone import plots

@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from labsrc.core.exercises import ExerciseFailed
-from labsrc.core.launch_result import LaunchError, LaunchTimeout
 from labsrc.core.runs import read_errors
+from labsrc.launch import LaunchError, LaunchTimeout
 
 FAILURE_ENV = "LABSRC_DDP_SCRIPT_FAIL"  # the scripts' describe() raises when this names a folder (see the script)
 

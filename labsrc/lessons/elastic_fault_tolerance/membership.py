@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 from labsrc.core import runs
-from labsrc.core.launch import Launch, end_run
+from labsrc.launch import Launch, end_run
 from labsrc.lessons.elastic_fault_tolerance.lab import Resume, TrainStep
 
 

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from labsrc.core import runs
-from labsrc.core.launch import ELASTIC_RDZV_CONF, Launch, end_run, start
+from labsrc.launch import ELASTIC_RDZV_CONF, Launch, end_run, start
 from labsrc.lessons.elastic_fault_tolerance.membership import resumable_steps_at, store_host, wait_until
 from labsrc.nodes import network
 

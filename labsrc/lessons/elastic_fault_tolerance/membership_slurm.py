@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labsrc.core import runs
-from labsrc.core.launch import ELASTIC_RDZV_CONF
 from labsrc.core.paths import REPO
 from labsrc.core.world import RequestError
+from labsrc.launch import ELASTIC_RDZV_CONF
 from labsrc.lessons.elastic_fault_tolerance.cluster import ClusterJob, render_sbatch
 from labsrc.lessons.elastic_fault_tolerance.lab import Finished, Resume, TrainStep
 from labsrc.nodes.slurm_cluster import SlurmCluster

@@ -1,7 +1,7 @@
 """What torchrun starts on every rank: tie the rank to its agent, give it its output channel, run the target.
 
-    python -m labsrc.core.rank_entry --script PATH -- ARGS
-    python -m labsrc.core.rank_entry --module pkg.mod -- ARGS
+    python -m labsrc.launch.rank_entry --script PATH -- ARGS
+    python -m labsrc.launch.rank_entry --module pkg.mod -- ARGS
 
 The rank's Python output goes, prefixed and in whole lines, to runs/<lab>/<run_id>/output.log (the launcher
 streams it); an uncaught exception goes to rank<r>.error.json (the launcher shows it once) and its traceback
@@ -24,7 +24,7 @@ from labsrc.core.rank_output import OUTPUT_FILE, AppendChannel, RankPrefixed, ra
 def parse(argv: list[str]) -> tuple[str, str, list[str]]:
     """('script' | 'module', target, its arguments) from `--script PATH|--module MOD [--] ARGS`."""
     if len(argv) < 2 or argv[0] not in ("--script", "--module"):
-        raise SystemExit("usage: python -m labsrc.core.rank_entry --script PATH|--module MOD [--] ARGS")
+        raise SystemExit("usage: python -m labsrc.launch.rank_entry --script PATH|--module MOD [--] ARGS")
     rest = argv[2:]
     if rest[:1] == ["--"]:
         rest = rest[1:]

@@ -4,8 +4,8 @@ from __future__ import annotations
 import time
 
 from labsrc.core import leases
-from labsrc.core.launch_result import LaunchInterrupted, LaunchTimeout
 from labsrc.core.world import RequestError
+from labsrc.launch.result import LaunchInterrupted, LaunchTimeout
 
 
 def pool_limits() -> tuple[leases.Pool | None, int | None, int | None]:

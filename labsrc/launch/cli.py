@@ -1,4 +1,4 @@
-"""`python -m labsrc.launch`: run a course lab, a module or a script on n ranks (the launcher: labsrc.core.launch).
+"""`python -m labsrc.launch`: run a course lab, a module or a script on n ranks from a shell.
 
     python -m labsrc.launch --nproc 2 setup -- --hold-s 1
     python -m labsrc.launch --nproc 2 path/to/my_ddp.py -- --epochs 1
@@ -12,9 +12,9 @@ import signal
 import sys
 import threading
 
-from labsrc.core.launch import (Launch, LaunchError, LaunchTimeout, RankFailed, RunResult,  # noqa: F401
-                                end_run, processes_of_run, run, start, wait_all)
 from labsrc.core.world import RequestError
+from labsrc.launch.launcher import run
+from labsrc.launch.result import LaunchError, LaunchTimeout
 
 
 def parser() -> argparse.ArgumentParser:
@@ -73,7 +73,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{result.lab}: {result.nproc} rank(s) per node finished in {result.wall_time_s:.1f} s "
           f"({result.attempts} attempt(s)); records in {result.run_dir}")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
