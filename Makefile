@@ -50,11 +50,11 @@ lab: setup
 # Stores every notebook as JupyterLab saves it with the course's kernel (tests/test_notebook_format.py checks);
 # PYTHON_VERSION=3.12.3 stamps a class server's own Python instead of the course's 3.11.7 (see README).
 format-notebooks: setup
-	$(PYTHON) -m labsrc.core.notebook_format $(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION))
+	$(PYTHON) tools/notebook_format.py $(if $(PYTHON_VERSION),--python-version $(PYTHON_VERSION))
 
 # The course's notebooks back as committed; each changed one is first copied to saved_work/<date>-<time>/.
 reset-notebooks: setup
-	$(PYTHON) -m labsrc.core.notebook_reset
+	$(PYTHON) tools/notebook_reset.py
 
 # The extras' tests (an emulated Slurm cluster, the class server, grading) run in their own targets, which install what they need: `make test`
 # leaves them out so a machine that has them installed does not run them twice in CI.

@@ -4,14 +4,15 @@ import json
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from traitlets.config import Application
 
-from labsrc.core import notebook_format
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import notebook_format  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,10 @@ import nbformat
 import pytest
 from ipykernel.ipkernel import IPythonKernel
 
-from labsrc.core import notebook_format
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import notebook_format  # noqa: E402
+
 NOTEBOOKS = notebook_format.course_notebooks(ROOT)
 
 

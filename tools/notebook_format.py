@@ -7,7 +7,7 @@ What JupyterLab does, checked in Chromium against this JupyterLab (4.6) and jupy
 - on saving, jupyter_server writes the page's model with ``nbformat.write``: JSON with keys sorted, an indent of 1,
   multi-line strings split into lists of lines, non-ASCII kept, and a final newline.
 So a course notebook is stored with the course kernel's metadata and through ``nbformat.write`` (``normalize``);
-``python -m labsrc.core.notebook_format`` (``make format-notebooks``) rewrites every committed notebook that way.
+``python tools/notebook_format.py`` (``make format-notebooks``) rewrites every committed notebook that way.
 A learner whose kernel runs another Python version sees one line change (``language_info.version``):
 ``--python-version`` restamps the notebooks for a class server's own Python.
 """
@@ -19,8 +19,7 @@ from pathlib import Path
 
 import nbformat
 
-from labsrc.core.paths import REPO
-
+REPO = Path(__file__).resolve().parents[1]
 NOTEBOOK_GLOBS = ("notebooks/*.ipynb", "appendix/*.ipynb")
 
 # The kernel `make setup` installs (Makefile: ipykernel install --name labsrc), and the TensorFlow appendix's own.
@@ -77,7 +76,7 @@ def course_notebooks(root: Path = REPO) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labsrc.core.notebook_format", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python tools/notebook_format.py", description=__doc__.split("\n")[0])
     parser.add_argument("paths", nargs="*", type=Path, help="notebooks to rewrite (default: every course notebook)")
     parser.add_argument("--check", action="store_true", help="change nothing; exit 1 if a notebook would change")
     parser.add_argument("--python-version", default=COURSE_PYTHON,

@@ -45,7 +45,7 @@ def reset(root: Path, stamp: str | None = None) -> tuple[list[str], Path | None]
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m labsrc.core.notebook_reset", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python tools/notebook_reset.py", description=__doc__.split("\n")[0])
     parser.add_argument("--root", type=Path, default=Path.cwd(), help="the course's clone (default: here)")
     options = parser.parse_args(argv)
     try:
