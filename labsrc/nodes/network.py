@@ -67,7 +67,7 @@ def parse_link(link) -> Link:
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg])bit\s*", str(link).lower()) if isinstance(link, str) else None
     if not match:
         raise RequestError(f"link must be a rate like \"100mbit\", \"1gbit\", \"2.5gbit\" or \"10gbit\", or "
-                           f"emulated_nodes.Link(rate_bits_per_s); got {link!r}. Leave link=None for nodes "
+                           f"labsrc.nodes.network.Link(rate_bits_per_s); got {link!r}. Leave link=None for nodes "
                            f"that share this machine's loopback.")
     return Link(round(float(match.group(1)) * _UNITS[match.group(2)]))
 

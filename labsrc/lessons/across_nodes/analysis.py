@@ -32,7 +32,7 @@ def throughput_ratio(result) -> float | None:
 def all_reduce_rows(result, bandwidth_of: AlphaBeta | None = None) -> list[dict]:
     """Per (algorithm, bytes): fastest measured seconds, its model's prediction and relative error.
 
-    The model of each algorithm (across_nodes_model.MODELS) on the fitted links; lesson 06's extrapolation
+    The model of each algorithm (cost_model.MODELS) on the fitted links; lesson 06's extrapolation
     beside it. bandwidth_of: a link whose bandwidth replaces the inter-node link's (its latency stays): given
     the inside link, the mistake the check must catch, the node's bandwidth taken for the network's (a run of
     one rank per node has no inside link of its own: take another run's).

@@ -75,7 +75,7 @@ def hierarchical_time_s(nbytes: float, topology: Topology, inside: AlphaBeta | N
 
 
 def lesson06_time_s(nbytes: float, topology: Topology, inside: AlphaBeta | None, across: AlphaBeta) -> float:
-    """Lesson 06's extrapolation (performance_scaling.ring_time_s): NVLink -> the inside link, one NIC per node.
+    """Lesson 06's extrapolation (scaling.ring_time_s): NVLink -> the inside link, one NIC per node.
 
     It charges each node's link 2(N-1)/N nbytes, what a hierarchical all-reduce sends across, not the
     2(n-1)/n nbytes of a flat ring over every rank.
@@ -101,7 +101,7 @@ it receives, gloo's own headers and the barriers around the call. 15% bounds it 
 
 
 MODELS = {"flat": flat_ring_time_s, "hierarchical": hierarchical_time_s}
-"""The model of each all-reduce the lab times (across_nodes.ALGORITHMS)."""
+"""The model of each all-reduce the lab times (hierarchy.ALGORITHMS)."""
 
 
 def relative_error(measured_s: float, predicted_s: float) -> float:

@@ -118,7 +118,7 @@ SPEEDUP_HINTS = {
 def check_predict_speedup(predict_speedup: Callable) -> None:
     """predict_speedup(nodes, ranks_per_node) -> flat ring time / hierarchical time on a slow link, large messages.
 
-    Compared with across_nodes_model.predicted_speedup with no latency, an inside link 1000 x faster, 1 GB.
+    Compared with cost_model.predicted_speedup with no latency, an inside link 1000 x faster, 1 GB.
     """
     across, inside = AlphaBeta(0.0, 1e-8, 1.0), AlphaBeta(0.0, 1e-11, 1.0)
     for nodes, per_node in SPEEDUP_CASES:

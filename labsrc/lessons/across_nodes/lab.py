@@ -118,7 +118,7 @@ class Throughput(Record):
 @dataclass
 class HierarchicalCheck(Record):
     """The hierarchical all-reduce against dist.all_reduce on one size, and the bytes each level's collectives were
-    given, watched on every call (across_nodes.watching), not taken from what the function returns."""
+    given, watched on every call (hierarchy.watching), not taken from what the function returns."""
 
     KIND: ClassVar[str] = "hierarchical_check"
     size: int

@@ -107,7 +107,7 @@ class UnusedParameters(Record):
     """A model with an unused layer under one DDP setting: did two steps run, and if not what was raised."""
 
     KIND: ClassVar[str] = "unused_parameters"
-    setting: str  # a key of ddp_internals.UNUSED_SETTINGS
+    setting: str  # a key of inside_ddp.UNUSED_SETTINGS
     ok: bool
     error_type: str | None
     error: str | None
@@ -133,7 +133,7 @@ class Compression(Record):
     """One all-reduce scheme: bytes and calls per step, dtypes sent, gradient error, equal to torch's hook."""
 
     KIND: ClassVar[str] = "compression"
-    scheme: str  # a key of ddp_internals.COMPRESSION
+    scheme: str  # a key of inside_ddp.COMPRESSION
     label: str
     bytes: int
     calls: int
@@ -144,7 +144,7 @@ class Compression(Record):
 
 @dataclass
 class ProfiledStep(Record):
-    """A profiled torch DDP step: the Chrome trace's path and its spans (ddp_internals.profiled_step)."""
+    """A profiled torch DDP step: the Chrome trace's path and its spans (inside_ddp.profiled_step)."""
 
     KIND: ClassVar[str] = "profile"
     trace: str

@@ -34,7 +34,7 @@ def loss_curves(result, axes=None):
 
 
 def step_breakdown(result, ax=None):
-    """A bar per phase of the timed DDP step (dp_vs_ddp.step_breakdown_ms)."""
+    """A bar per phase of the timed DDP step (sync.step_breakdown_ms)."""
     phases = sync.step_breakdown_ms(result.of(StepTiming))
     title = f"DDP step of {result.summary['model']} on {result.nproc} ranks, median per phase"
     return bars({PHASE_LABELS[name]: ms for name, ms in phases.items()}, title, "ms", ax=ax)

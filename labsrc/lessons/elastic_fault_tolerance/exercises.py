@@ -1,6 +1,6 @@
 """Checker for notebook 10's exercise: the learner's snapshot save/load, through a run killed mid-write and resumed.
 
-    check_snapshot(save, load)   # save(run, path) / load(run, path), run an elastic_fault_tolerance.Training
+    check_snapshot(save, load)   # save(run, path) / load(run, path), run an resume.Training
 """
 from __future__ import annotations
 

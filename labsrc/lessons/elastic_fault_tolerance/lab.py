@@ -106,7 +106,7 @@ class TrainStep(Record):
 
 @dataclass
 class StateFingerprint(Record):
-    """Fingerprints of every part of one rank's training state (elastic_fault_tolerance.part_fingerprints)."""
+    """Fingerprints of every part of one rank's training state (resume.part_fingerprints)."""
 
     KIND: ClassVar[str] = "state_fingerprint"
     run: str

@@ -132,7 +132,7 @@ class AmpStep(Record):
     """Bytes of the model's gradients: one all-reduce of each per step is what no_sync aims at."""
     gradient_gap: float | None
     """Largest gap between the accumulated gradient and the mean of the micro-batches' gradients computed one by
-    one (mixed_precision_ddp.micro_batch_mean_gradient), over the latter's largest value; None where the
+    one (under_ddp.micro_batch_mean_gradient), over the latter's largest value; None where the
     GradScaler skipped the step."""
 
 

@@ -46,7 +46,7 @@ def lr_schedules(schedules: dict[str, list[float]], ax=None):
 def extrapolation(predictions: dict[str, dict[str, list[dict]]], references: list[dict] | None = None, ax=None):
     """Predicted scaling efficiency per workload and all-reduce algorithm ({workload: {"ring"|"tree": rows}}).
 
-    rows: [{"gpus": n, "efficiency": e}, ...] from performance_scaling.extrapolate; a reference is a results/
+    rows: [{"gpus": n, "efficiency": e}, ...] from scaling.extrapolate; a reference is a results/
     file with "scaling" points and the "provenance" of the runs that measured them, drawn as stars.
     """
     import matplotlib.pyplot as plt
