@@ -21,7 +21,8 @@ from labsrc.training import benchmark
 
 
 def parser():
-    """The command line: one flag per field of labsrc.lessons.performance_scaling.lab_bench.Options, its help the field's docstring."""
+    """The command line: one flag per field of the bench lab's Options (lessons/performance_scaling/lab_bench.py),
+    its help the field's docstring."""
     return Options.parser(__doc__.splitlines()[0])
 
 

@@ -1,7 +1,8 @@
 """Lesson 11's server behind a link: the update-rate model the notebook measures against."""
 import pytest
 
-from labsrc.lessons.async_parameter_server.behind_link import WIRE_EFFICIENCY, CoreWait, judge_rates, model_updates_per_s, phase_waits
+from labsrc.lessons.async_parameter_server.behind_link import (WIRE_EFFICIENCY, CoreWait, judge_rates,
+                                                               model_updates_per_s, phase_waits)
 
 
 def test_one_worker_alternates_two_overlap_and_the_servers_link_caps_the_rest():

@@ -77,7 +77,8 @@ def test_slow_transform_costs_at_least_its_sleep_per_batch():
     dataset = sampling.SlowTransform(data.synthetic_images(64, 8), cost_s=0.002)
     loader, sampler = data.make_loader(dataset, 8, rank_context(0, 1))
     seen = []
-    timing = sampling.time_batches(data.forever(loader, sampler), 3, CPU, lambda images, labels: seen.append(images.shape))
+    timing = sampling.time_batches(data.forever(loader, sampler), 3, CPU,
+                                   lambda images, labels: seen.append(images.shape))
     assert seen == [(8, 3, 8, 8)] * 4, "one warm-up step, then one compute call per timed step"
     assert len(timing["data_steps_s"]) == len(timing["compute_steps_s"]) == timing["steps"] == 3
     assert min(timing["data_steps_s"]) >= 8 * 0.002, "every batch of 8 sleeps 8 x 2 ms in this process"

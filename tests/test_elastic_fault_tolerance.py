@@ -8,8 +8,8 @@ from labsrc.core.forked import run_ranks
 from labsrc.core.world import RequestError
 from labsrc.lessons.elastic_fault_tolerance import analysis, resume as eft
 from labsrc.lessons.elastic_fault_tolerance.lab import Options, Resume
-from labsrc.lessons.elastic_fault_tolerance.snapshot import (SnapshotCorrupt, crash_mid_write, load_checked, save_atomic,
-                                                     temp_path)
+from labsrc.lessons.elastic_fault_tolerance.snapshot import (SnapshotCorrupt, crash_mid_write, load_checked,
+                                                             save_atomic, temp_path)
 
 
 def test_a_crash_mid_write_leaves_the_previous_snapshot_in_place(tmp_path):

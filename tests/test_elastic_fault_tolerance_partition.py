@@ -5,7 +5,8 @@ from types import SimpleNamespace
 import pytest
 
 from labsrc.launch import ELASTIC_RDZV_CONF
-from labsrc.lessons.elastic_fault_tolerance.membership_partition import Partition, partition_timeline, rendezvous_timeouts
+from labsrc.lessons.elastic_fault_tolerance.membership_partition import (Partition, partition_timeline,
+                                                                         rendezvous_timeouts)
 
 
 def test_the_keep_alive_and_last_call_are_the_ones_the_launcher_gives_torchrun():

@@ -1,5 +1,5 @@
-"""The package's layout and its import rule (COURSE.md, "Architecture"): folders by floor, one folder per lesson, imports
-that only point down, read from the code's own imports (function-level ones included)."""
+"""The package's layout and its import rule (COURSE.md, "Architecture"): folders by floor, one folder per lesson,
+imports that only point down, read from the code's own imports (function-level ones included)."""
 import ast
 import re
 from pathlib import Path

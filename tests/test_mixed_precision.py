@@ -12,8 +12,8 @@ from labsrc.core.world import RequestError
 from labsrc.launch import RunResult
 from labsrc.lessons.dp_vs_ddp import sync
 from labsrc.lessons.mixed_precision import precision, under_ddp
-from labsrc.lessons.mixed_precision.lab import AmpStep, GradientBytes, ModeCost, Options, SkippedMode, micro_batch_size, \
-    mixed_precision_lab, modes_for
+from labsrc.lessons.mixed_precision.lab import (AmpStep, GradientBytes, ModeCost, Options, SkippedMode,
+                                                micro_batch_size, mixed_precision_lab, modes_for)
 from labsrc.training.models import TinyCNN
 
 

@@ -8,7 +8,7 @@ from labsrc.lessons.pipeline_parallel import analysis, chunked, experiments, lab
 from labsrc.lessons.pipeline_parallel.executor import run_stage
 from labsrc.lessons.pipeline_parallel.library import LIBRARY_SCHEDULES, TWO_STAGES_A_RANK, run_library_schedule
 from labsrc.lessons.pipeline_parallel.stages import (assert_part_matches, make_batch, make_model, split_model,
-                                             unsplit_gradients)
+                                                     unsplit_gradients)
 
 
 def _hand_written_matches(ctx, schedule, micro_batches):

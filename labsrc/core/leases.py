@@ -88,7 +88,8 @@ def load(directory) -> Pool:
                     int(data["gpus_per_run"]), int(data["cores_per_run"]), bool(data.get("fake_gpus", False)))
     except FileNotFoundError:
         raise PoolError(f"{POOL_ENV}={directory} holds no pool ({path} is missing): create it with "
-                        f"`python -m labsrc.classroom.pool_setup init {directory} --gpus N` or unset {POOL_ENV}.") from None
+                        f"`python -m labsrc.classroom.pool_setup init {directory} --gpus N` or unset "
+                        f"{POOL_ENV}.") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise PoolError(f"{path} is not a pool's configuration ({exc}): create it again with "
                         f"`python -m labsrc.classroom.pool_setup init {directory} ...`.") from None

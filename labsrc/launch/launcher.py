@@ -1,4 +1,4 @@
-"""Run a lab, a module or a script under torchrun from a notebook or a shell: live output, restarts, nodes, nothing left.
+"""start, run and wait_all: a lab, a module or a script under torchrun, with live output, restarts and nodes.
 
     result = launch.run("setup", nproc=2, timeout=60)
     result = launch.run("my_ddp.py", nproc=2, args=["--epochs", "1"])

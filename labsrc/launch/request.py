@@ -11,7 +11,7 @@ from labsrc.core.world import RequestError
 
 LESSONS_PACKAGE = "labsrc.lessons"
 LAB_FILE = "lab"
-"""A lesson's torchrun entry, lessons/<lesson>/lab.py, is the lab <lesson>; a second one, lab_<name>.py, the lab <name>."""
+"""A lesson's torchrun entry, lessons/<lesson>/lab.py, is the lab <lesson>; another, lab_<name>.py, the lab <name>."""
 
 
 def course_labs() -> dict[str, str]:

@@ -1,6 +1,7 @@
 """The one process that owns an emulated-nodes network: a switch namespace, one namespace per node, shaped links.
 
-    unshare --net [--user --map-root-user] -- python -m labsrc.nodes.network_holder --nodes 2 --rate 100000000 --parent PID
+    unshare --net [--user --map-root-user] -- \
+        python -m labsrc.nodes.network_holder --nodes 2 --rate 100000000 --parent PID
 
 Its own network namespace is the switch: a bridge `switch` with one port `node<i>` per node. Each node is a
 child process in a fresh network namespace holding the other end of that veth pair, named `eth0`, with the

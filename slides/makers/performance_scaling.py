@@ -7,7 +7,7 @@ GPUS = (1, 2, 4, 8, 16, 32, 64)
 
 
 def scaling_model_diagram(compute_s: float, gradient_bytes: int, workload: str):
-    """Per GPU count, the model's step: compute, then the ring all-reduce (labsrc.lessons.performance_scaling.scaling)."""
+    """Per GPU count, the model's step: compute, then the ring all-reduce (performance_scaling/scaling.py)."""
     import matplotlib.pyplot as plt
     from labsrc.lessons.performance_scaling import scaling
     rows = scaling.extrapolate(compute_s, gradient_bytes, list(GPUS))["ring"]

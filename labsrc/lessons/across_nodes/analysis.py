@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from labsrc.lessons.across_nodes.cost_model import (MODELS, judge, lesson06_time_s, link_payload_bytes, relative_error,
-                                       scheme_time_s, step_messages, Layers)
+                                                    scheme_time_s, step_messages, Layers)
 from labsrc.lessons.across_nodes.hierarchy import Topology
 from labsrc.techniques.alpha_beta import AlphaBeta
 

@@ -5,7 +5,8 @@ from collections import Counter
 
 import torch
 
-from labsrc.lessons.async_parameter_server.server import (GRADIENT_HEADER, Problem, batch_rows, gradient, initial_parameters)
+from labsrc.lessons.async_parameter_server.server import (GRADIENT_HEADER, Problem, batch_rows, gradient,
+                                                          initial_parameters)
 from labsrc.techniques.collectives import ring_bytes_sent
 
 

@@ -1,6 +1,7 @@
 """The parameter server behind a slow link: every update crosses the server's link twice, so it caps updates/s.
 
-    python -m labsrc.launch --nproc 1 --nnodes 4 --link 100mbit labsrc.lessons.async_parameter_server.behind_link -- --workers 1 2 3
+    python -m labsrc.launch --nproc 1 --nnodes 4 --link 100mbit \
+        labsrc.lessons.async_parameter_server.behind_link -- --workers 1 2 3
 
 Rank 0, the server, on node 0; worker w on node w, each node behind its own shaped link. In each phase the first
 W workers run the async protocol of lesson 11 with a large parameter vector: pull [status, parameters], push a

@@ -22,7 +22,7 @@ from labsrc.core.runs import Record, current_attempt
 from labsrc.core.world import RequestError
 from labsrc.lessons.elastic_fault_tolerance.resume import Setup, Training, part_fingerprints, restore, save_snapshot
 from labsrc.lessons.elastic_fault_tolerance.snapshot import (SnapshotCorrupt, die_mid_write, load_latest, save_atomic,
-                                                     save_keeping, snapshot_path)
+                                                             save_keeping, snapshot_path)
 
 FAILURES = ("exception", "kill", "hang")
 SNAPSHOT_FOLDER = "snapshots"  # snapshot-<step>.pt, the newest keep_snapshots of them

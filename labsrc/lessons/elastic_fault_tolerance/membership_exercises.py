@@ -23,8 +23,8 @@ import torch
 from labsrc.core.exercises import ExerciseFailed, on_ranks, passed
 from labsrc.core.processes import environment_set
 from labsrc.core.world import RankContext
-from labsrc.lessons.elastic_fault_tolerance.resume import (Setup, Training, fingerprint, load_snapshot, part_fingerprints,
-                                           save_snapshot)
+from labsrc.lessons.elastic_fault_tolerance.resume import (Setup, Training, fingerprint, load_snapshot,
+                                                           part_fingerprints, save_snapshot)
 
 SETUP = Setup(samples=48, global_batch=8, epochs=2)
 """6 steps an epoch, 12 in all."""

@@ -3,7 +3,7 @@
     with SlurmCluster() as cluster:                                   # labsrc.nodes.slurm_cluster
         ok = run_job(cluster, "none")                                 # the elastic lab across node0 and node1
         lost = run_job(cluster, "kill_agent", kill_on_bad_exit=False) # node1's torchrun agent SIGKILLed mid-run
-    python -m labsrc.lessons.elastic_fault_tolerance.membership_slurm                    # make slurm-cluster: start one, say how to use it
+    python -m labsrc.lessons.elastic_fault_tolerance.membership_slurm   # make slurm-cluster: start one, print its use
 
 The job is render_sbatch(job, gpus=False) of cluster/sbatch_torchrun.sh.template: one srun task per node, each a
 torchrun agent with --nnodes=1:2, the c10d rendezvous on the first node (node0, which also hosts the store: the

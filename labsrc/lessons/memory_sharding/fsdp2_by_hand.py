@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labsrc.lessons.memory_sharding.zero import Traffic, all_reduce_counted, flatten, reduce_scatter_counted, unflatten_into
+from labsrc.lessons.memory_sharding.zero import (Traffic, all_reduce_counted, flatten, reduce_scatter_counted,
+                                                 unflatten_into)
 from labsrc.techniques.collectives import all_gather
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from labsrc.lessons.memory_sharding.memory import (FP32, MIXED, deep_mlp, held_bytes, live_storages, optimizer_state_bytes,
-                                    storage_bytes)
+from labsrc.lessons.memory_sharding.memory import (FP32, MIXED, deep_mlp, held_bytes, live_storages,
+                                                   optimizer_state_bytes, storage_bytes)
 from labsrc.lessons.memory_sharding.zero import ShardedOptimizer, Traffic, all_reduce_counted, flatten, unflatten_into
 from labsrc.lessons.memory_sharding.zero3 import FullyShardedModel, ShardedLayer
 

@@ -11,8 +11,8 @@ from labsrc.lessons.pipeline_parallel import chunked, schedules
 from labsrc.lessons.pipeline_parallel.chunked_executor import run_chunks
 from labsrc.lessons.pipeline_parallel.executor import SavedTensorMeter, run_stage
 from labsrc.lessons.pipeline_parallel.library import TWO_STAGES_A_RANK, run_library_schedule, stages_held
-from labsrc.lessons.pipeline_parallel.stages import (full_batch_loss, gradient_error, gradient_scale, make_batch, make_model,
-                                             split_model, unsplit_gradients)
+from labsrc.lessons.pipeline_parallel.stages import (full_batch_loss, gradient_error, gradient_scale, make_batch,
+                                                     make_model, split_model, unsplit_gradients)
 
 ActionsFunction = Callable[[int, int, int], list]
 """(stage, stages, micro_batches) -> that stage's action list."""
