@@ -1,1 +1,2 @@
-"""Infrastructure every lesson uses: rank context, launching, run records, profiles, progress, forked ranks, widgets."""
+"""The ground every rank, lab and notebook stands on: rank context, run records, options, profiles, plans, progress,
+GPU leases, forked ranks, widgets, exercise helpers, shared figures; it imports nothing outside core/."""
