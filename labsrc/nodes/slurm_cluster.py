@@ -138,8 +138,9 @@ def remove_stale_folders() -> int:
     return removed
 
 
-def stop_others(starter: str = "labsrc.lessons.elastic_fault_tolerance.membership_slurm") -> int:
-    """SIGTERM each live `python -m <starter>` that started a cluster (make slurm-cluster); the cluster ends with it."""
+def stop_others(starter: str) -> int:
+    """SIGTERM each live `python -m <starter>` that started a cluster (make slurm-cluster runs
+    labsrc.lessons.elastic_fault_tolerance.membership_slurm); the cluster ends with it."""
     import psutil
     stopped = 0
     for folder in Path(tempfile.gettempdir()).glob(FOLDER_PREFIX + "*"):

@@ -155,7 +155,7 @@ def main() -> int:
     parser.add_argument("--stop", action="store_true", help="stop the cluster another `make slurm-cluster` started")
     if parser.parse_args().stop:
         from labsrc.nodes.slurm_cluster import stop_others
-        print(f"stopped {stop_others()} emulated Slurm cluster(s)")
+        print(f"stopped {stop_others(__spec__.name)} emulated Slurm cluster(s)")
         return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with SlurmCluster() as cluster:
