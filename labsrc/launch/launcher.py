@@ -29,7 +29,7 @@ def start(target: str, nproc: int = 2, args: list | tuple = (), timeout: float =
 
     target: a script path ("my_ddp.py"), a dotted module ("pkg.train") or a course lab ("setup"); **options
     are a course lab's typed options. link: None (nodes share this machine's loopback) or a rate ("100mbit",
-    "1gbit", emulated_nodes.Link(bits)): each node then gets its own network namespace, address and a link
+    "1gbit", labsrc.nodes.network.Link(bits)): each node then gets its own network namespace, address and a link
     shaped to that rate (see labsrc.nodes.network). Everything is checked before anything starts
     (RequestError says what to do). On a class server (LABSRC_POOL_DIR names a pool, labsrc.core.leases) the
     run leases its GPUs (one per NCCL rank, or those gloo ranks share) or cores before torchrun starts and
