@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from labsrc.core.paths import REPO
+from labsrc.core.paths import python_path
 
 QUIET_SPREAD = 0.5
 """Repeats whose middle 80% spans less than half the median: a quiet enough machine (idle here: 0.03-0.2)."""
@@ -164,8 +164,7 @@ def probe(repeats: int = 7, work: int = 500_000, processes: int | None = None) -
         raise ValueError(f"probe runs 1 to {cores} (the usable cores) processes at once, got {processes}")
     code = _PEER.format(repeats=repeats, work=work)
     peers = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
-                                   os.environ.get("PYTHONPATH", "")]))}) for _ in range(processes - 1)]
+                              env={**os.environ, "PYTHONPATH": python_path()}) for _ in range(processes - 1)]
     try:
         for peer in peers:
             peer.stdout.readline()  # "ready": the peers' loops start with this process's

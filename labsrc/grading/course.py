@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labsrc.classroom.accounts import AccountError, read_roster as read_accounts
-from labsrc.core.paths import REPO
+from labsrc.core.paths import REPO, python_path
 
 DEFAULT_EXCHANGE = Path("/srv/nbgrader/exchange")  # nbgrader's own default
 CELL_TIMEOUT_S = 300  # the grader's limit on one cell: a checker forks its ranks in seconds; a hang fails the cell
@@ -159,6 +159,4 @@ def prepare_exchange(exchange: Path) -> None:
 def grading_env() -> dict[str, str]:
     """What the autograder's kernels run with: the ci profile (exercises, not class-scale runs), no windows, this
     checkout's labsrc."""
-    path = os.environ.get("PYTHONPATH", "")
-    return {"LABSRC_PROFILE": "ci", "LABSRC_HEADLESS": "1", "MPLBACKEND": "Agg",
-            "PYTHONPATH": os.pathsep.join([str(REPO), *([path] if path else [])])}
+    return {"LABSRC_PROFILE": "ci", "LABSRC_HEADLESS": "1", "MPLBACKEND": "Agg", "PYTHONPATH": python_path()}

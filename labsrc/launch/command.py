@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from labsrc.core import runs
-from labsrc.core.paths import REPO
+from labsrc.core.paths import python_path
 from labsrc.core.processes import RUN_ID_ENV
 from labsrc.core.world import BACKEND_ENV
 from labsrc.launch.request import Nodes, Target
@@ -50,8 +50,7 @@ def child_environment(ranks: int, run_dir: Path, run_id: str, backend: str | Non
         "OMP_NUM_THREADS": str(max(1, cores // ranks)),  # ranks share the cores instead of fighting
         runs.RUN_DIR_ENV: str(run_dir),
         RUN_ID_ENV: run_id,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
-                                                    env.get("PYTHONPATH")])),
+        "PYTHONPATH": python_path(),
     })
     if own_store:
         # Each attempt's ranks build a fresh store (OWN_STORE_ENV) instead of the one node rank 0's agent keeps for

@@ -21,7 +21,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
-from labsrc.core.paths import REPO
+from labsrc.core.paths import python_path
 from labsrc.core.world import RequestError
 from labsrc.nodes.network_holder import (HOLDER_ENV, HOLDER_MODULE, INTERFACE, end_stale_leftovers, node_address,
                                          read_answer)
@@ -163,8 +163,7 @@ class Network:
         command = [*wrapper, sys.executable, "-m", HOLDER_MODULE, "--nodes", str(nodes),
                    "--rate", str(link.rate_bits_per_s), "--delay-us", str(round(link.latency_s * 1e6 / 2)),
                    "--parent", str(os.getpid())]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [
-            str(REPO), os.environ.get("PYTHONPATH")])))
+        env = dict(os.environ, PYTHONPATH=python_path())
         self.holder = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True, env=env, start_new_session=True,
                                        preexec_fn=die_with_parent)

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from labsrc.core.paths import REPO
+from labsrc.core.paths import python_path
 from labsrc.core.world import RequestError
 from labsrc.nodes.network_holder import node_address, read_answer
 from labsrc.nodes.slurm_holder import HEAD, HOLDER_MODULE, READY_TIMEOUT_S, node_name
@@ -172,8 +172,7 @@ class SlurmCluster:
         me = psutil.Process()
         (self.folder / OWNER_FILE).write_text(json.dumps({"pid": me.pid, "created": me.create_time()}))
         write_config(self.folder, nodes, slurmd_timeout)
-        root = str(REPO)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+        env = dict(os.environ, PYTHONPATH=python_path())
         self.holder = subprocess.Popen(
             ["unshare", "--pid", "--kill-child", "--mount-proc", "--", sys.executable, "-m", HOLDER_MODULE,
              "--dir", str(self.folder), "--nodes", str(nodes)],

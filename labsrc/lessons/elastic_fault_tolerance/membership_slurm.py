@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from labsrc.core import runs
-from labsrc.core.paths import REPO
+from labsrc.core.paths import python_path
 from labsrc.core.world import RequestError
 from labsrc.launch import ELASTIC_RDZV_CONF
 from labsrc.lessons.elastic_fault_tolerance.cluster import ClusterJob, render_sbatch
@@ -45,9 +45,8 @@ def emulated_job(kill_on_bad_exit: bool = True, step_sleep_s: float = 0.5, no_ki
 
 def job_environment(run_dir: Path) -> dict:
     """What the job needs from the submitter (sbatch --export): this venv's python first on PATH, labsrc, a run dir."""
-    root = str(REPO)
     return {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '/usr/bin:/bin')}",
-            "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+            "PYTHONPATH": python_path(),
             runs.RUN_DIR_ENV: str(run_dir)}
 
 
