@@ -172,6 +172,8 @@ def test_each_student_logs_in_and_gets_their_own_server_and_notebooks(hub):
         assert len(server) == 1, f"{name} should run one server of their own: {server}"
         copy = class_hub.home_of(name) / "labsrc-course" / "notebooks" / "00_setup.ipynb"
         assert copy.is_file() and copy.stat().st_uid == pwd.getpwnam(name).pw_uid
+        script = copy.with_name("your_ddp_script.py")  # 01b's script: each student edits their own
+        assert script.is_file() and not script.is_symlink() and script.stat().st_uid == pwd.getpwnam(name).pw_uid
     mine = class_hub.home_of(hub.students[0]) / "labsrc-course" / "notebooks" / "00_setup.ipynb"
     mine.write_text(mine.read_text() + "\n")  # the student's own edit
     written = mine.read_text()
@@ -318,7 +320,7 @@ def test_a_student_runs_notebook_00s_first_launch_in_a_real_browser(hub, tmp_pat
                                " === 'idle'")
         try:
             cells = page.locator(".jp-Notebook .jp-Cell")
-            _run_cell(page, code[0])  # the imports and the plan
+            _run_cell(page, code[0])  # the imports and the script's path
             _run_cell(page, launch_cell)
             cell = cells.nth(launch_cell)
             cell.locator(".labsrc-progress-state").first.wait_for(state="attached")  # the bars, live
@@ -328,8 +330,9 @@ def test_a_student_runs_notebook_00s_first_launch_in_a_real_browser(hub, tmp_pat
             cell.locator(".labsrc-progress-state", has_text="done").first.wait_for(state="attached")
             printed = cell.locator(".jp-OutputArea-output", has_text="ranks, wall time")
             printed.wait_for(state="attached")
-            assert f"records in /home/{name}/labsrc-course/runs/" in printed.inner_text(), printed.inner_text()
-            assert cell.locator(".jp-OutputArea-output", has_text="[rank1] contributed 1").count() == 1
+            assert f"output in /home/{name}/labsrc-course/runs/" in printed.inner_text(), printed.inner_text()
+            rank1 = "[rank1] rank 1 of 2: before all_reduce [1], after [1]"  # hello_distributed.py's line
+            assert cell.locator(".jp-OutputArea-output", has_text=rank1).count() == 1
             cell.screenshot(path=shots / "hub_3_launch_done.png")
             page.get_by_text("Nbgrader", exact=True).first.click()  # the student's side of nbgrader only
             menu = page.locator("#jp-mainmenu-nbgrader")

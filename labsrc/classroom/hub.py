@@ -38,7 +38,7 @@ def home_of(name: str) -> Path:
 
 
 def copy_notebooks(name: str, course_folder: str, exchange: Path | None = None) -> list[Path]:
-    """The course's notebooks into ~name/<course_folder>/notebooks, owned by the student: only those missing
+    """The course's notebooks and the scripts beside them into ~name/<course_folder>/notebooks, owned by the student: only those missing
     (a student's own work is never overwritten; a notebook added to the course arrives at the next start),
     beside links to the checkout's docs/ and cluster/ (the notebooks link to them); what it made.
 
@@ -75,7 +75,8 @@ def _copy_notebooks(home: str, course_folder: str, exchange: Path | None) -> lis
         if not directory.exists():
             directory.mkdir(mode=0o755)
             made.append(directory)
-    for notebook in sorted(NOTEBOOKS.glob("*.ipynb")):
+    # the notebooks and the scripts beside them a lesson launches or a student edits (01b's your_ddp_script.py)
+    for notebook in sorted([*NOTEBOOKS.glob("*.ipynb"), *NOTEBOOKS.glob("*.py")]):
         target = course / "notebooks" / notebook.name
         if not target.exists() and not target.is_symlink():
             shutil.copyfile(notebook, target)
