@@ -55,8 +55,9 @@ def _display(text: str, title: str | None) -> None:
     display(Code(text, language="python"))
 
 
-def show(obj, start: str | None = None, end: str | None = None, title: str | None = None) -> str:
-    """Show `obj`'s source (or its `start`..`end` lines), highlighted in a notebook; returns the text shown.
+def show(obj, start: str | None = None, end: str | None = None, title: str | None = None) -> None:
+    """Show `obj`'s source (or its `start`..`end` lines), highlighted in a notebook (nothing returned, so a
+    cell that ends with it shows the code once; `source_of` gives the text).
 
     title: a line above it; by default where it lives, e.g. ``labsrc/lessons/collectives/ring.py``.
     """
@@ -66,18 +67,20 @@ def show(obj, start: str | None = None, end: str | None = None, title: str | Non
         path = Path(inspect.getsourcefile(obj) or "")
         title = str(path.relative_to(REPO)) if path.is_relative_to(REPO) else getattr(module, "__name__", "")
     _display(text, title or None)
-    return text
 
 
-def show_file(path: str | Path, start: str | None = None, end: str | None = None, title: str | None = None) -> str:
-    """Show a file's text (or its `start`..`end` lines), highlighted in a notebook; returns the text shown.
-
-    path: relative to the repository root, or absolute.
-    """
+def file_text(path: str | Path, start: str | None = None, end: str | None = None) -> str:
+    """A file's text (or its `start`..`end` lines); path: relative to the repository root, or absolute."""
     path = Path(path)
     full = path if path.is_absolute() else REPO / path
     if not full.is_file():
         raise FileNotFoundError(f"{full} is not a file: give a path from the repository root, e.g. notebooks/x.py")
-    text = excerpt(full.read_text(), start, end, where=str(path))
-    _display(text, title if title is not None else str(path))
-    return text
+    return excerpt(full.read_text(), start, end, where=str(path))
+
+
+def show_file(path: str | Path, start: str | None = None, end: str | None = None, title: str | None = None) -> None:
+    """Show a file's text (or its `start`..`end` lines), highlighted in a notebook (nothing returned).
+
+    path: relative to the repository root, or absolute.
+    """
+    _display(file_text(path, start, end), title if title is not None else str(path))
