@@ -8,6 +8,7 @@ import torch
 from labsrc.core import runs
 from labsrc.core.forked import RankError, run_ranks
 from labsrc.core.world import RequestError
+from labsrc.lessons.collectives import checks, rank_by_rank
 from labsrc.lessons.collectives import lab as collectives_lab
 from labsrc.techniques import alpha_beta, collectives
 
@@ -18,7 +19,7 @@ def _sizes(world_size):
 
 
 def _check(ctx, sizes):
-    return collectives.check_algorithms(ctx, sizes)
+    return checks.check_algorithms(ctx, sizes)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -59,7 +60,7 @@ def test_chunk_sizes_cover_the_tensor_like_tensor_split():
 
 
 def _tables(ctx):
-    return collectives.collective_tables(ctx)
+    return rank_by_rank.collective_tables(ctx)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -93,18 +94,18 @@ def _reversed_ring(rank, n):
 
 def test_a_ring_that_talks_to_itself_raises():
     with pytest.raises(RankError):
-        run_ranks(collectives.broken_ring_error, 2, args=(_talk_to_itself, 8, 5.0), timeout_s=30)
+        run_ranks(checks.broken_ring_error, 2, args=(_talk_to_itself, 8, 5.0), timeout_s=30)
 
 
 def test_a_ring_whose_messages_never_arrive_raises_within_its_timeout():
     start = time.perf_counter()
     with pytest.raises(RankError, match="[Tt]imed out|Connection closed"):
-        run_ranks(collectives.broken_ring_error, 3, args=(_receive_from_the_right, 9, 2.0), timeout_s=30)
+        run_ranks(checks.broken_ring_error, 3, args=(_receive_from_the_right, 9, 2.0), timeout_s=30)
     assert time.perf_counter() - start < 25, "the broken ring should fail at its 2 s timeout, not hang"
 
 
 def test_a_ring_turned_backwards_gives_a_wrong_sum():
-    errors = run_ranks(collectives.broken_ring_error, 3, args=(_reversed_ring, 9, 5.0), timeout_s=30)
+    errors = run_ranks(checks.broken_ring_error, 3, args=(_reversed_ring, 9, 5.0), timeout_s=30)
     assert max(errors) > 0, "chunks sent the wrong way round must not add up to dist.all_reduce"
 
 
@@ -140,7 +141,7 @@ def test_lab_records_every_measurement_and_summarises_the_fits(tmp_path):
 def _check_with_a_wrong_neighbour(ctx, sizes, timeout_s):
     """Patched inside each rank, so forked and fresh ranks alike run the mistake."""
     collectives.neighbours = _receive_from_the_right
-    return collectives.check_algorithms(ctx, sizes, timeout_s)
+    return checks.check_algorithms(ctx, sizes, timeout_s)
 
 
 def test_a_wrong_default_neighbour_fails_the_check_within_its_timeout():

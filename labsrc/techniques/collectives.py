@@ -1,4 +1,8 @@
-"""Collectives shown rank by rank, a ring all-reduce and a naive one written from send/recv, and their timing."""
+"""A ring all-reduce and a naive one written from send/recv, the bytes each sends, and an all-reduce timed by size.
+
+Lesson 02 shows and checks them (labsrc/lessons/collectives/); lessons 06, 09 and 11 reuse the timing, the
+single-tensor collectives and the ring's byte count.
+"""
 from __future__ import annotations
 
 import datetime
@@ -24,8 +28,8 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor) -> str:
     """Sum (n * k,) inputs over ranks, keep slice r of length k on rank r; return how it ran.
 
     The backend's own reduce-scatter where it has one (gloo does in torch 2.11-2.14, NCCL always):
-    "reduce_scatter". A backend without it gets all_reduce then this rank's slice, the same result
-    for n times the traffic: "all_reduce_then_slice".
+    "reduce_scatter". A backend without it gets all_reduce then this rank's slice: the same result, for twice
+    the traffic of a ring (2(n-1)/n of the data per rank instead of (n-1)/n): "all_reduce_then_slice".
     """
     try:
         _single_tensor_collective("reduce_scatter_single", "reduce_scatter_tensor")(output, full)
@@ -44,22 +48,21 @@ def neighbours(rank: int, world_size: int) -> tuple[int, int]:
     return (rank - 1) % world_size, (rank + 1) % world_size
 
 
-def _exchange(send: torch.Tensor, send_to: int, receive: torch.Tensor, receive_from: int,
-              timeout: datetime.timedelta | None) -> None:
-    """Send and receive at once, so two neighbours never wait on each other.
+def exchange(send: torch.Tensor, send_to: int, receive: torch.Tensor, receive_from: int,
+             timeout: datetime.timedelta | None = None) -> None:
+    """One step of the ring: send `send` to one neighbour while receiving into `receive` from the other.
 
-    batch_isend_irecv posts both before waiting (on NCCL inside one group, which NCCL needs when
-    two ranks send to each other). A partner that never answers raises after `timeout` (default:
-    the process group's), so a broken ring fails instead of hanging.
+    Both operations are posted before either waits, so two ranks never wait on each other's send. A partner
+    that never answers raises after `timeout` (default: the process group's): a broken ring fails, not hangs.
     """
-    # A chunk can be empty (fewer elements than ranks); its partner's matching chunk is then empty too,
-    # so both sides skip it and no backend is asked to move zero bytes.
-    operations = [dist.P2POp(operation, tensor, peer) for operation, tensor, peer in
-                  [(dist.isend, send.contiguous(), send_to), (dist.irecv, receive, receive_from)]
-                  if tensor.numel() > 0]
+    operations = []
+    if send.numel() > 0:  # a chunk is empty when there are fewer elements than ranks; its partner's is too
+        operations.append(dist.P2POp(dist.isend, send.contiguous(), send_to))
+    if receive.numel() > 0:
+        operations.append(dist.P2POp(dist.irecv, receive, receive_from))
     if not operations:
         return
-    for request in dist.batch_isend_irecv(operations):
+    for request in dist.batch_isend_irecv(operations):  # both posted; now wait for each
         if timeout is None:
             request.wait()
         else:
@@ -85,13 +88,13 @@ def ring_all_reduce(tensor: torch.Tensor, rank: int, world_size: int,
     for step in range(world_size - 1):  # reduce-scatter: add what arrives
         outgoing, incoming = chunks[(rank - step) % world_size], chunks[(rank - step - 1) % world_size]
         buffer = torch.empty_like(incoming)
-        _exchange(outgoing, right, buffer, left, timeout)
+        exchange(outgoing, right, buffer, left, timeout)
         incoming.add_(buffer)
         sent += outgoing.numel() * outgoing.element_size()
     for step in range(world_size - 1):  # all-gather: store what arrives
         outgoing, incoming = chunks[(rank + 1 - step) % world_size], chunks[(rank - step) % world_size]
         buffer = torch.empty_like(incoming)
-        _exchange(outgoing, right, buffer, left, timeout)
+        exchange(outgoing, right, buffer, left, timeout)
         incoming.copy_(buffer)
         sent += outgoing.numel() * outgoing.element_size()
     return sent
@@ -168,81 +171,6 @@ def tensor_device(ctx) -> torch.device:
 def rank_values(rank: int, size: int, device) -> torch.Tensor:
     """A rank's input: (size,) float32 values that differ per rank and per element (sums exact in float32)."""
     return (torch.arange(size, dtype=torch.float32, device=device) % 7) + 10 * rank
-
-
-def collective_tables(ctx) -> list[dict]:
-    """Each collective on a tiny tensor: what this rank held before and after, as rows for a table.
-
-    A row: collective (the key: send_recv, broadcast, all_reduce, reduce_scatter, all_gather), label
-    (what a table shows), ran_as (which operation ran: the key, or all_reduce_then_slice), before, after.
-    """
-    rank, n, device = ctx.rank, ctx.world_size, tensor_device(ctx)
-    scalar = lambda value: torch.tensor([float(value)], device=device)
-    rows = []
-
-    def row(key, label, before, after, ran_as=None):
-        rows.append({"collective": key, "label": label, "ran_as": ran_as or key,
-                     "before": before.tolist(), "after": after.tolist()})
-
-    if n > 1:
-        value = scalar(rank)
-        if rank == 0:
-            dist.send(scalar(42), 1)
-        elif rank == 1:
-            dist.recv(value, 0)
-        row("send_recv", "send/recv (rank 0 sends 42 to rank 1)", scalar(rank), value)
-    value = scalar(rank)
-    dist.broadcast(value, src=0)
-    row("broadcast", "broadcast from rank 0", scalar(rank), value)
-    value = scalar(rank + 1)
-    dist.all_reduce(value)
-    row("all_reduce", "all_reduce (sum)", scalar(rank + 1), value)
-    full, part = torch.arange(n, dtype=torch.float32, device=device) + 10 * rank, torch.empty(1, device=device)
-    how = reduce_scatter(part, full)
-    row("reduce_scatter", f"reduce_scatter (sum, one element each; ran as {how})", full, part, how)
-    gathered = torch.empty(n, device=device)
-    all_gather(gathered, scalar(rank))
-    row("all_gather", "all_gather", scalar(rank), gathered)
-    return rows
-
-
-def check_sizes(world_size: int) -> list[int]:
-    """Sizes that divide evenly by the world size and sizes that do not (including fewer than n elements)."""
-    return sorted({1, world_size - 1 or 1, world_size + 1, 1000 * world_size, 1000 * world_size + 1, 4099})
-
-
-def check_algorithms(ctx, sizes, timeout_s: float = 20.0) -> list[dict]:
-    """Every algorithm against dist.all_reduce on the same inputs: largest error and bytes sent per size.
-
-    Inputs are (size,) rank_values. The ring waits at most timeout_s for a message, so a ring with a
-    wrong neighbour fails the check within that time instead of hanging.
-    """
-    device, rows = tensor_device(ctx), []
-    algorithms = {**ALGORITHMS, "ring": lambda tensor, rank, world_size: ring_all_reduce(
-        tensor, rank, world_size, datetime.timedelta(seconds=timeout_s))}
-    for size in sizes:
-        expected = rank_values(ctx.rank, size, device)
-        dist.all_reduce(expected)
-        for name, algorithm in algorithms.items():
-            mine = rank_values(ctx.rank, size, device)
-            sent = algorithm(mine, ctx.rank, ctx.world_size)
-            formula = BYTES_FORMULAS.get(name)
-            rows.append({"rank": ctx.rank, "algorithm": name, "size": size, "bytes": size * 4, "bytes_sent": sent,
-                         "bytes_formula": formula(size, ctx.rank, ctx.world_size) if formula else None,
-                         "max_error": (mine - expected).abs().max().item()})
-    return rows
-
-
-def broken_ring_error(ctx, neighbours_of, size: int, timeout_s: float) -> float:
-    """The ring with other neighbours on (size,) rank_values: its largest error against dist.all_reduce.
-
-    A ring whose messages never arrive raises after timeout_s instead of returning.
-    """
-    tensor = rank_values(ctx.rank, size, tensor_device(ctx))
-    expected = tensor.clone()
-    dist.all_reduce(expected)
-    ring_all_reduce(tensor, ctx.rank, ctx.world_size, datetime.timedelta(seconds=timeout_s), neighbours_of)
-    return (tensor - expected).abs().max().item()
 
 
 REPEAT_TARGET_S = 0.02  # a timed repeat lasts about this long, so a stall of a few ms is a part of it, not a multiple

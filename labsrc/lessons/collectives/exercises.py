@@ -81,7 +81,8 @@ def diagnose_ring(inputs: list[torch.Tensor], rank: int, got: torch.Tensor) -> s
     if torch.allclose(got * world_size, expected) or _matches(simulate_ring(inputs, combine="mean"), rank, got,
                                                               expected):
         return ("you divide instead of summing (you got the mean, or halves at each step): all_reduce with "
-                "SUM adds the chunks as they arrive; DDP divides once, after the sum, and not in here.")
+                "SUM adds the chunks as they arrive. Averaging is the caller's job (DDP divides each gradient by n "
+                "before it all-reduces), not this function's.")
     if _matches(simulate_ring(inputs, gather=False), rank, got, expected):
         return (f"the all-gather phase is missing: only chunk {(rank + 1) % world_size} holds the full sum on this "
                 "rank. After the n-1 reduce-scatter steps, run n-1 more steps that pass the finished chunks on "
@@ -183,8 +184,8 @@ PREDICTION_MISTAKES = {
 }
 PREDICTION_HINTS = {
     "n instead of n-1": "a ring of n ranks takes n-1 steps per phase, not n: 2(n-1) messages in all.",
-    "forgets one of the 2 phases": "you count one phase: the reduce-scatter's n-1 steps are followed by the "
-                                   "all-gather's n-1 steps, 2(n-1) in all.",
+    "forgets one of the 2 phases": "the reduce-scatter's n-1 steps are followed by the all-gather's n-1 steps, "
+                                   "2(n-1) in all.",
     "sends the whole message at every step": "each step sends one chunk, nbytes / n, not the whole message.",
     "pays alpha once": "every one of the 2(n-1) steps is a message, and every message pays alpha.",
     "sends 2 x nbytes": "2 x nbytes is only the limit for large n: each rank sends 2(n-1) chunks of nbytes / n, "
@@ -211,4 +212,4 @@ def check_predict_time(predict_time: Callable) -> None:
             if math.isclose(got, mistake(alpha, beta, nbytes, n), rel_tol=1e-6):
                 raise ExerciseFailed(f"{case} {expected:.4g} s. Your formula {name}: {PREDICTION_HINTS[name]}")
         raise ExerciseFailed(f"{case} {expected:.4g} s: 2(n-1) steps, each one message of nbytes/n bytes.")
-    passed("2(n-1) steps of alpha + (nbytes/n) beta: the prediction matches the ring formula on every case")
+    passed(f"the prediction matches the ring formula on all {len(PREDICTION_CASES)} links and sizes")

@@ -11,16 +11,18 @@ import statistics
 from dataclasses import dataclass
 from typing import ClassVar
 
+from labsrc.core.forked import run_ranks
 from labsrc.core.lab import resolve_profile, run_lab
 from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
+from labsrc.lessons.collectives import checks, rank_by_rank
 from labsrc.techniques import alpha_beta, collectives
 
 
 @dataclass
 class Options(LabOptions):
-    """Tables of five collectives, hand-written all-reduces checked, and an alpha-beta sweep."""
+    """Tables of send/recv and four collectives, hand-written all-reduces checked, and an alpha-beta sweep."""
 
     pg_timeout_s: float = 30.0
     """Seconds a collective may wait for the other ranks: a broken ring raises within it instead of hanging."""
@@ -104,9 +106,9 @@ def timing_record(name: str, size: int, timing: dict, world_size: int) -> Timing
 def collectives_lab(ctx, records, options: Options) -> dict:
     profile = resolve_profile(options)
     sizes, repeats = list(options.sizes or profile.sweep_sizes), options.repeats or profile.repeats
-    for row in collectives.collective_tables(ctx):
+    for row in rank_by_rank.collective_tables(ctx):
         records.write(Holding(**row))
-    for row in collectives.check_algorithms(ctx, collectives.check_sizes(ctx.world_size), options.ring_timeout_s):
+    for row in checks.check_algorithms(ctx, checks.check_sizes(ctx.world_size), options.ring_timeout_s):
         records.write(Check(**row))
     records.progress(0, repeats, unit="repeats")
     timings = collectives.sweep(ctx, sizes, repeats,
@@ -116,13 +118,20 @@ def collectives_lab(ctx, records, options: Options) -> dict:
     fits = {name: dataclasses.asdict(fit) for name, fit in alpha_beta.fit_sweep(timings, min).items()}
     fits_median = {name: dataclasses.asdict(fit)
                    for name, fit in alpha_beta.fit_sweep(timings, statistics.median).items()}
-    for name, fit in fits.items() if ctx.is_main else ():
-        print(f"{name:<16} alpha {fit['alpha_s'] * 1e6:9.1f} us  1/beta {1 / fit['beta_s_per_byte'] / 1e9:7.2f} GB/s"
-              f"  R^2 {fit['r2']:.3f} (on the medians: {fits_median[name]['r2']:.3f})")
     return {"profile": profile.name, "fits": fits, "fits_median": fits_median, "sizes": sizes,
             "repeats": repeats,
             "statistic": "fits: fastest repeat; fits_median: median repeat; a repeat is a loop's time per call, "
                          "slowest rank"}
+
+
+def checks_on(result, world_sizes=(2, 3, 4)) -> dict[int, list[Check]]:
+    """{ranks: Check rows}: the lab's own rows, and the same check on forked CPU ranks for every other world size."""
+    found = {result.nproc: result.of(Check)}
+    for ranks in world_sizes:
+        if ranks not in found:
+            per_rank = run_ranks(checks.check_algorithms, ranks, args=(checks.check_sizes(ranks),))
+            found[ranks] = [Check.from_dict(row) for rows in per_rank for row in rows]
+    return dict(sorted(found.items()))
 
 
 def main(argv=None):
