@@ -1,4 +1,5 @@
-"""Reference solutions of notebook 03's exercises (a rank's DistributedSampler shard; the padding counts)."""
+"""Reference solutions of notebook 03's exercises (a rank's DistributedSampler shard; evaluation without the
+padding)."""
 import math
 
 import torch
@@ -22,9 +23,10 @@ def shard_indices(dataset_size, rank, world_size, epoch, seed, shuffle, drop_las
     return order[rank::world_size]
 
 
-def shard_counts(dataset_size, world_size, drop_last):
-    """(per_rank, duplicates, dropped) over all ranks in one epoch of DistributedSampler."""
-    if drop_last:
-        return dataset_size // world_size, 0, dataset_size % world_size
-    per_rank = math.ceil(dataset_size / world_size)
-    return per_rank, per_rank * world_size - dataset_size, 0
+def drop_padding(gathered, dataset_size):
+    """The N predictions in dataset order from the ranks' gathered predictions (DistributedSampler, shuffle=False).
+
+    Rank r's item i sat at position r + i*n of the padded order, so stacking the ranks as columns and reading row
+    by row restores that order; the padded copies are its last positions.
+    """
+    return torch.stack(gathered, dim=1).flatten()[:dataset_size]

@@ -206,6 +206,11 @@ def test_without_join_the_longer_rank_waits_until_the_timeout(lab_run):
     assert long.steps == 3 and long.planned == 4, "the 4th step can never complete"
     assert long.error_type in ("RuntimeError", "DistBackendError"), long.error
     assert long.waited_s >= 0.5 * summary["join_timeout_s"], "the wait ended before the timeout"
+    assert not long.error.startswith("["), "the C++ source location is cut from the recorded error"
+    for record in (short, long):
+        assert len(record.step_end_s) == record.steps and record.step_end_s == sorted(record.step_end_s)
+    assert long.left_s >= long.step_end_s[-1] + 0.5 * summary["join_timeout_s"], "the timeline's wait"
+    assert short.left_s == pytest.approx(short.step_end_s[-1], abs=0.05), "the short rank leaves after its last step"
 
 
 def _join_that_does_not_shadow(ctx, run_dir):
@@ -293,3 +298,48 @@ def test_padding_check_accepts_torch_and_rejects_other_padding():
     shards = [orders[0] for orders in sampling.epoch_orders(11, 2, 1).values()]
     shards[1][-1] = next(index for index in shards[1] if index != shards[0][0])  # padded with another sample
     assert not sampling.padding_repeats_the_start(shards, 11)
+
+
+@pytest.mark.parametrize("size, world_size", [(11, 2), (10, 4), (3, 8)])
+def test_the_concept_picture_deals_torchs_padded_order(size, world_size):
+    from labsrc.lessons.data_loading import plots
+    for epoch in (0, 1):
+        order = plots.padded_order(size, world_size, epoch)
+        assert len(order) == -(-size // world_size) * world_size
+        assert order[:size] == torch.randperm(size, generator=torch.Generator().manual_seed(epoch)).tolist()
+        assert all(order[size + extra] == order[extra % size] for extra in range(len(order) - size)), "padding"
+        for rank in range(world_size):
+            assert order[rank::world_size] == plots.torch_shard(size, rank, world_size, epoch)
+    assert plots.padded_order(size, world_size, 0) != plots.padded_order(size, world_size, 1), "set_epoch reshuffles"
+
+
+def test_the_concept_picture_draws_one_box_per_position_and_shard_item():
+    import matplotlib
+    matplotlib.use("Agg")
+    from labsrc.lessons.data_loading import plots
+    ax = plots.sampler_shards(11, 2, epochs=(0, 1))
+    assert len(ax.patches) == 2 * (12 + 12), "each epoch: the 12 padded positions, then 6 per rank"
+    assert sum(patch.get_hatch() == "///" for patch in ax.patches) == 2 * 2, "one padded box per epoch, twice"
+
+
+def _result(lab_run):
+    from labsrc.launch import RunResult
+    summary, records = lab_run
+    return RunResult("data_loading", 2, None, 0, 0.0, summary, records)
+
+
+def test_the_measured_figures_draw_from_the_records(lab_run):
+    import matplotlib
+    matplotlib.use("Agg")
+    from labsrc.lessons.data_loading import plots
+    result = _result(lab_run)
+    axes = plots.partition_panels(result)
+    hatched = [sum(patch.get_hatch() == "///" for patch in ax.patches) for ax in axes]
+    assert hatched == [3, 3, 0], "11 on 2 ranks: one padded position per epoch, none with drop_last"
+    for join in (False, True):
+        ax = plots.uneven_timeline(result, join)
+        labels = [label.get_text() for label in ax.get_yticklabels()]
+        assert labels == (["rank 0: 3 of 3", "rank 1: 4 of 4"] if join else ["rank 0: 3 of 3", "rank 1: 3 of 4"])
+    ax = plots.step_split(result)
+    assert [line.get_linestyle() for line in ax.lines if len(line.get_xdata())] == ["--"], "ci: 0 workers only"
+    plots.partitions(result, set_epoch=False)

@@ -90,29 +90,51 @@ def test_shard_indices_mistakes_are_named(wrong, named):
         checkers.check_shard_indices(wrong)
 
 
-def test_shard_counts_solution_passes(capsys):
-    checkers.check_shard_counts(load_solution("data_loading", "shard_counts"))
+def test_drop_padding_solution_passes(capsys):
+    checkers.check_drop_padding(load_solution("data_loading", "drop_padding"))
     assert "passed" in capsys.readouterr().out
 
 
-def _counts(per_rank=None, duplicates=None, dropped=None):
-    """The right counts, with the named quantity computed the wrong way."""
-    def shard_counts(size, n, drop_last):
-        right = load_solution("data_loading", "shard_counts")(size, n, drop_last)
-        wrong = {0: per_rank, 1: duplicates, 2: dropped}
-        return tuple(wrong[k](size, n, drop_last) if wrong[k] else right[k] for k in range(3))
-    return shard_counts
+def test_the_gathered_predictions_are_torchs_shards_in_rank_order():
+    gathered, expected = checkers.gathered_predictions(3, 8)
+    assert [tensor.tolist() for tensor in gathered] == [[expected[i % 3].item()] for i in range(8)], "padding cycles"
+    gathered, expected = checkers.gathered_predictions(11, 2)
+    assert gathered[0].tolist() == expected[0::2].tolist() and gathered[1].tolist() == expected[1::2].tolist() + [expected[0].item()]
+
+
+def kept_the_repeats(gathered, size):
+    return torch.stack(gathered, dim=1).flatten()
+
+
+def dropped_the_wrong_end(gathered, size):
+    return torch.stack(gathered, dim=1).flatten()[-size:]
+
+
+def concatenated(gathered, size):
+    return torch.cat(gathered)[:size]
+
+
+def unique_values(gathered, size):
+    return list(dict.fromkeys(torch.stack(gathered, dim=1).flatten().tolist()))
+
+
+def one_too_many(gathered, size):
+    ordered = torch.stack(gathered, dim=1).flatten()[:size]
+    return torch.cat([ordered, ordered[:1]])
+
+
+def not_numbers(gathered, size):
+    return {"predictions": gathered}
 
 
 @pytest.mark.parametrize("wrong, named", [
-    (_counts(per_rank=lambda size, n, drop_last: size // n), "padding rounds UP"),
-    (_counts(per_rank=lambda size, n, drop_last: math.ceil(size / n)), "drop_last rounds DOWN"),
-    (_counts(duplicates=lambda size, n, drop_last: 0 if drop_last else size % n), "not N mod n"),
-    (_counts(duplicates=lambda size, n, drop_last: 0 if drop_last else min(-size % n, size)), "read three times"),
-    (_counts(duplicates=lambda size, n, drop_last: -size % n), "drop_last pads nothing"),
-    (_counts(dropped=lambda size, n, drop_last: size % n), "padding drops nothing"),
-    (_counts(dropped=lambda size, n, drop_last: (size % n if size >= n else 0) if drop_last else 0), "N < n"),
+    (kept_the_repeats, "kept the repeats"),
+    (dropped_the_wrong_end, "dropped the wrong end"),
+    (concatenated, "Interleave"),
+    (unique_values, "drop positions, not values"),
+    (one_too_many, "exactly N=12"),
+    (not_numbers, "as one tensor"),
 ])
-def test_shard_counts_mistakes_are_named(wrong, named):
+def test_drop_padding_mistakes_are_named(wrong, named):
     with pytest.raises(ExerciseFailed, match=named):
-        checkers.check_shard_counts(wrong)
+        checkers.check_drop_padding(wrong)

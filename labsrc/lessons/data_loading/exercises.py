@@ -1,4 +1,5 @@
-"""Checkers for notebook 03's exercises: a rank's DistributedSampler shard, and the padding/drop_last counts."""
+"""Checkers for notebook 03's exercises: a rank's DistributedSampler shard, and evaluation predictions without
+the padding."""
 from __future__ import annotations
 
 from typing import Callable
@@ -7,9 +8,10 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from labsrc.core.exercises import ExerciseFailed, passed
-from labsrc.lessons.data_loading.sampling import IndexDataset, coverage
+from labsrc.lessons.data_loading.sampling import IndexDataset
 
-# (dataset_size, world_size): n divides N, pads a little, pads more than once around (N < n)
+# (dataset_size, world_size): n divides N, pads a little, and (3, 8), where the padding (5) is longer than the
+# order (3) and goes round it again
 SIZES = ((12, 4), (10, 4), (11, 2), (10, 3), (3, 8))
 SETTINGS = ((0, 0), (1, 0), (2, 7))  # (epoch, seed)
 
@@ -75,8 +77,8 @@ def _mistake(got: list[int], size: int, rank: int, world_size: int, epoch: int, 
                 "seeded with seed + epoch, nothing rank-dependent) and take its own stride of it.")
     padding = per_rank * world_size - size
     if not drop_last and padding > size and got == (order + order[:padding])[rank::world_size]:
-        return (f"padding too short: N={size} < n, so the {padding} padding indices cycle through the shuffled "
-                "order more than once; indices[:padding] gives only N of them. Repeat the order (order * k) "
+        return (f"padding too short: the padding ({padding} indices) is longer than the order (N={size}), so it "
+                "goes round the order again; indices[:padding] gives only N of them. Repeat the order (order * k) "
                 "before cutting it to the padding length.")
     if not drop_last and size % world_size and got == order[rank::world_size]:
         return (f"no padding: with drop_last=False every rank gets ceil(N/n) = {per_rank} indices; append the "
@@ -123,55 +125,57 @@ def check_shard_indices(shard_indices: Callable) -> None:
                                     f"shuffle={shuffle}, drop_last={drop_last}")
                             raise ExerciseFailed(f"{case}: " + _mistake(got, size, rank, world_size, *settings,
                                                                       all_ranks))
-    passed(f"your shards equal DistributedSampler's for {len(SIZES)} (N, n) pairs, 3 epochs/seeds, with and "
+    passed(f"the shards equal DistributedSampler's for {len(SIZES)} (N, n) pairs, 3 epochs/seeds, with and "
            "without shuffle and drop_last")
 
 
-COUNT_SIZES = ((12, 4), (10, 4), (10, 3), (11, 2), (1001, 8), (3, 8))
+EVAL_SIZES = ((12, 4), (11, 2), (10, 4), (10, 3), (3, 8))  # (N, n): n divides N, pads, pads past the order
 
 
-def _count_mistake(got: tuple, size: int, world_size: int, drop_last: bool, expected: tuple) -> str:
-    per_rank, duplicates, dropped = got
-    remainder = size % world_size
-    if per_rank != expected[0]:
-        if drop_last:
-            return f"per rank: drop_last rounds DOWN, floor(N/n) = {expected[0]}; you said {per_rank}."
-        return f"per rank: padding rounds UP, ceil(N/n) = {expected[0]}; you said {per_rank}."
-    if drop_last and duplicates:
-        return "drop_last pads nothing: no sample is read twice."
-    if not drop_last and dropped:
-        return "padding drops nothing: every sample is read at least once."
-    if not drop_last and duplicates != expected[1]:
-        if size < world_size and duplicates == size:
-            return (f"duplicates: you said N = {size}, but with N < n the padding cycles through the order more than "
-                    "once, so some samples are read three times or more: count every read beyond a sample's "
-                    f"first, ceil(N/n)*n - N = {expected[1]}.")
-        if duplicates == remainder and remainder:
-            return (f"duplicates: the padding fills the last round, ceil(N/n)*n - N = {expected[1]}, not N mod n "
-                    f"= {remainder}.")
-        return f"duplicates: the padding is ceil(N/n)*n - N = {expected[1]}; you said {duplicates}."
-    if drop_last and dropped != expected[2]:
-        note = " (N < n: every rank gets 0 samples, all are dropped)" if size < world_size else ""
-        return f"dropped: drop_last cuts N mod n = {expected[2]} samples{note}; you said {dropped}."
-    return f"expected {expected}, got {got}."
+def gathered_predictions(size: int, world_size: int, seed: int = 0) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """(what dist.all_gather returns in evaluation, the predictions in dataset order).
+
+    Sample i's prediction is a class 0-9 (different samples can share one). Rank r predicts the shard that
+    DistributedSampler(shuffle=False) gives it, padding included: gathered[r] is that shard's predictions.
+    """
+    predictions = torch.randint(0, 10, (size,), generator=torch.Generator().manual_seed(seed))
+    gathered = [predictions[torch_shard(size, rank, world_size, 0, 0, False, False)] for rank in range(world_size)]
+    return gathered, predictions
 
 
-def check_shard_counts(shard_counts: Callable) -> None:
-    """shard_counts(dataset_size, world_size, drop_last) -> (per_rank, duplicates, dropped), compared with
-    the counts of what torch's DistributedSampler gives all ranks in one epoch."""
-    for size, world_size in COUNT_SIZES:
-        for drop_last in (False, True):
-            counted = coverage(size, world_size, drop_last)
-            expected = (counted["per_rank"], counted["duplicates"], counted["dropped"])
-            got = shard_counts(size, world_size, drop_last)
-            try:
-                got = tuple(int(value) for value in got)
-            except (TypeError, ValueError):
-                raise ExerciseFailed(f"return (per_rank, duplicates, dropped) as three ints, not {got!r}.") from None
-            if len(got) != 3:
-                raise ExerciseFailed(f"return three numbers (per_rank, duplicates, dropped), not {len(got)}.")
-            if got != expected:
-                raise ExerciseFailed(f"N={size}, n={world_size}, drop_last={drop_last}: "
-                                     + _count_mistake(got, size, world_size, drop_last, expected))
-    passed(f"your counts equal those measured on DistributedSampler for {len(COUNT_SIZES)} (N, n) pairs, "
-           "padded and drop_last")
+def _eval_mistake(got: torch.Tensor, gathered: list[torch.Tensor], size: int) -> str:
+    """What is wrong with `got`, found by building each plausible wrong answer and comparing."""
+    world_size, per_rank = len(gathered), len(gathered[0])
+    dealt = torch.stack(gathered, dim=1).flatten()  # position p of the padded order: rank p mod n, item p // n
+    padding = per_rank * world_size - size
+    if len(got) == len(dealt) and padding:
+        return (f"kept the repeats: you returned {len(got)} predictions for N={size} samples. The last "
+                f"ceil(N/n)*n - N = {padding} positions of the padded order are copies: drop them.")
+    if len(got) < size:
+        return (f"you returned {len(got)} predictions for N={size} samples: drop positions, not values (two samples "
+                "can have the same prediction, and torch.unique would merge them).")
+    if len(got) != size:
+        return f"return exactly N={size} predictions, one per sample; you returned {len(got)}."
+    if padding and torch.equal(got, dealt[padding:]):
+        return ("dropped the wrong end: the padding sits at the END of the padded order (it repeats the order's "
+                "start), so keep the first N positions.")
+    if torch.equal(got, torch.cat(gathered)[:size]):
+        return ("you put the ranks' predictions one after the other, but the sampler dealt the order like cards: "
+                "rank r's item i sat at position r + i*n. Interleave them.")
+    return f"expected {gathered_predictions(size, world_size)[1].tolist()}, got {got.tolist()}."
+
+
+def check_drop_padding(drop_padding: Callable) -> None:
+    """drop_padding(gathered, dataset_size) -> the N predictions in dataset order, for gathered = the ranks'
+    predictions over their DistributedSampler(shuffle=False) shards, padding included."""
+    for size, world_size in EVAL_SIZES:
+        gathered, expected = gathered_predictions(size, world_size)
+        got = drop_padding([tensor.clone() for tensor in gathered], size)
+        try:
+            got = torch.as_tensor(got).flatten()
+        except (TypeError, ValueError, RuntimeError):
+            raise ExerciseFailed(f"return the predictions as one tensor (or a list of numbers), not {got!r}.") from None
+        if not torch.equal(got.to(expected.dtype), expected):
+            raise ExerciseFailed(f"N={size} on n={world_size} ranks: "
+                                 + _eval_mistake(got.to(expected.dtype), gathered, size))
+    passed(f"the predictions come back in dataset order, each sample once, for {len(EVAL_SIZES)} (N, n) pairs")

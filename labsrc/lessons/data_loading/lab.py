@@ -36,7 +36,8 @@ class Options(LabOptions):
     uneven_base: int = 3
     """Rank r gets uneven_base + r batches in the Join demo."""
     join_timeout_s: float = 1.5
-    """Collective timeout that ends the no-Join hang (real jobs wait 10 min on NCCL, 30 on gloo)."""
+    """Collective timeout that ends the no-Join hang (a real job whose finished rank waits in another collective
+    hangs until the process-group timeout: 10 min on NCCL, 30 on gloo by default)."""
     joined_timeout_s: float = 10.0
     """Collective timeout of the run inside Join: long enough for a loaded machine, and a Join that failed to
     shadow the collectives ends in a recorded error after it instead of a hang."""
@@ -46,7 +47,7 @@ class Options(LabOptions):
     """num_workers values to sweep (empty: 0, 2 and the profile's)."""
     steps: int = 16
     """Timed batches per loader arm, after one warm-up batch: enough that the batches the workers prefetched
-    during the warm-up (prefetch_factor 2 each) are used up and the median is the steady state."""
+    during the warm-up (prefetch_factor 2 each) are used up and the mean is the steady state."""
     global_batch: int = 0
     """Samples per step over all ranks in the loader sweep (0: the profile's); must split over the ranks."""
 
@@ -73,7 +74,8 @@ class Partition(Record):
 @dataclass
 class Uneven(Record):
     """Uneven DDP (rank r has uneven_base + r batches) with or without Join: steps done, what a collective
-    raised (None when the rank finished), how long it waited, and the final weight (1, 4) flattened."""
+    raised (None when the rank finished), how long it waited, when each step ended and when the rank left the
+    loop (seconds from a barrier just before the first step), and the final weight (1, 4) flattened."""
 
     KIND: ClassVar[str] = "uneven"
     join: bool
@@ -83,12 +85,15 @@ class Uneven(Record):
     error: str | None
     waited_s: float
     timeout_s: float
+    step_end_s: list
+    left_s: float
     weight: list
 
 
 @dataclass
 class Throughput(Record):
-    """One loader arm: median seconds per step waiting for data and computing (forward, backward, update)."""
+    """One loader arm: mean seconds per step waiting for data and computing (forward, backward, update), and
+    every timed step's two phases."""
 
     KIND: ClassVar[str] = "throughput"
     source: str  # a key of SOURCES

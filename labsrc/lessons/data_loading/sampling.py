@@ -2,16 +2,15 @@
 from __future__ import annotations
 
 import datetime
+import re
 import statistics
 import time
 from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
-from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
-from labsrc.training.loop import step
 from labsrc.training.timing import timed
 
 
@@ -95,29 +94,40 @@ def padding_repeats_the_start(shards: list[list[int]], dataset_size: int) -> boo
     return all(at(dataset_size + extra) == at(extra % dataset_size) for extra in range(total - dataset_size))
 
 
-def _uneven_steps(model, optimizer, batches: int, generator: torch.Generator) -> int:
-    """Run `batches` DDP steps on random (8, 4) inputs, loss mean(output^2); returns the steps completed."""
-    steps = 0
-    for _ in range(batches):
-        inputs = torch.randn(8, 4, generator=generator)
-        # mse against zeros is mean(output^2); backward all-reduces the gradients across ranks
-        step(model, optimizer, inputs, torch.zeros(8, 1), loss_fn=F.mse_loss)
-        steps += 1
-    return steps
+def uneven_steps(model, optimizer, batches: int, generator: torch.Generator, join: bool,
+                 finished: list[float]) -> None:
+    """`batches` DDP steps on random (8, 4) inputs, inside Join or not; appends each step's end time to `finished`.
+
+    Ranks call it with different `batches`. Every backward all-reduces the gradients (this model has no buffers;
+    with BatchNorm the forward's buffer broadcast would be the first collective), so without Join the rank with
+    more batches waits in its extra backward for a partner that has stopped.
+    """
+    from torch.distributed.algorithms.join import Join
+    with Join([model]) if join else nullcontext():
+        for _ in range(batches):
+            inputs = torch.randn(8, 4, generator=generator)
+            loss = model(inputs).pow(2).mean()  # mse against zeros
+            optimizer.zero_grad()
+            loss.backward()  # DDP all-reduces the gradients here
+            optimizer.step()
+            finished.append(time.perf_counter())
 
 
 def train_uneven(ctx, batches_per_rank: list[int], join: bool, timeout_s: float, seed: int = 0) -> dict:
     """DDP where rank r has batches_per_rank[r] batches, inside Join or not; returns what happened on this rank.
 
-    Without Join the rank that runs out stops all-reducing and the others' next backward waits for it: a real
-    job hangs until the process-group timeout (10 min for NCCL, 30 for gloo by default). Here the model lives
-    on a gloo group whose collectives give up after timeout_s (on the CPU even under NCCL, where a timeout
-    aborts the process), so the hang becomes a recorded error; then every rank meets at a barrier.
-    With Join a finished rank answers the others' all-reduces with zero gradients until all are done, and
-    Join's post-hook broadcasts the last rank's model to every rank. DDP still divides each rank's gradient by
-    the initial world size before summing (divide_by_initial_world_size=True): `uneven_reference` replays that.
+    Without Join the rank that runs out stops all-reducing and the others' next backward waits for it. Here the
+    finished rank then waits in another collective (the barrier below), so the wait is a hang: in a real job it
+    lasts until the process-group timeout (10 min for NCCL, 30 for gloo by default). A finished rank that exits
+    instead breaks the connection, and one that goes on to its next epoch pairs its all-reduces with the
+    others' leftover steps. Here the model lives on a gloo group whose collectives give up after timeout_s (on
+    the CPU even under NCCL, where a timeout aborts the process), so the hang becomes a recorded error.
+    With Join a finished rank answers the others' all-reduces with zero gradients until all are done (each
+    forward adds two one-element all-reduces that tell the ranks who is still training), and Join's post-hook
+    broadcasts the model of a rank that joined last (the highest-numbered of them) to every rank. DDP still
+    divides each rank's gradient by the initial world size before summing (divide_by_initial_world_size=True):
+    `uneven_reference` replays that. Times are recorded from a barrier just before the first step.
     """
-    from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel as DDP
     group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
     torch.manual_seed(seed)
@@ -126,21 +136,27 @@ def train_uneven(ctx, batches_per_rank: list[int], join: bool, timeout_s: float,
     model = DDP(module, process_group=group)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(seed + ctx.rank)
-    steps, error, error_type, waited_s = 0, None, None, 0.0
-    start = time.perf_counter()
+    error, error_type, waited_s = None, None, 0.0
+    dist.barrier()  # start the clocks together: the timeline compares the ranks' step times
+    finished = [time.perf_counter()]
     try:
-        with Join([model]) if join else nullcontext():
-            for _ in range(batches_per_rank[ctx.rank]):
-                start = time.perf_counter()
-                steps += _uneven_steps(model, optimizer, 1, generator)
+        uneven_steps(model, optimizer, batches_per_rank[ctx.rank], generator, join, finished)
     except RuntimeError as exc:  # gloo's timeout (DistBackendError is a RuntimeError)
-        waited_s = time.perf_counter() - start
-        error_type, error = type(exc).__name__, str(exc).strip().splitlines()[0]
+        waited_s = time.perf_counter() - finished[-1]  # since the last step that completed
+        error_type, error = type(exc).__name__, short_error(exc)
+    left_s = time.perf_counter() - finished[0]
     dist.barrier()  # the rank that finished first waits here until the stuck one gave up
     dist.destroy_process_group(group)
-    return {"join": join, "steps": steps, "planned": batches_per_rank[ctx.rank], "error_type": error_type,
-            "error": error, "waited_s": waited_s, "timeout_s": timeout_s,
+    return {"join": join, "steps": len(finished) - 1, "planned": batches_per_rank[ctx.rank],
+            "error_type": error_type, "error": error, "waited_s": waited_s, "timeout_s": timeout_s,
+            "step_end_s": [end - finished[0] for end in finished[1:]], "left_s": left_s,
             "weight": model.module.weight.detach().flatten().tolist()}
+
+
+def short_error(exc: BaseException) -> str:
+    """The first line of a collective's error, without the C++ source location gloo puts in front of it."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return re.sub(r"^\[[^\]]*\]\s*", "", first)
 
 
 def uneven_reference(batches_per_rank: list[int], seed: int = 0, lr: float = 0.1,
@@ -189,7 +205,7 @@ class SlowTransform(Dataset):
 
 
 def time_batches(batches, steps: int, device, compute=None) -> dict:
-    """Median seconds per step waiting for the batch (and its copy to `device`) and computing on it.
+    """Mean seconds per step waiting for the batch (and its copy to `device`) and computing on it.
 
     batches: an iterable of (images (B, C, H, W), labels (B,)) with at least steps + 1 batches.
     compute(images, labels) is the training step (None: data only). The first batch and its step are a
@@ -210,8 +226,9 @@ def time_batches(batches, steps: int, device, compute=None) -> dict:
                 compute(images, labels)
         data_s.append(waited["s"])
         compute_s.append(computed["s"])
-    # Medians: one step stalled by another process on a busy machine does not move them.
-    return {"steps": steps, "data_s": statistics.median(data_s), "compute_s": statistics.median(compute_s),
+    # Means: they set the pace (steps take steps x (mean wait + mean compute)). With workers the waits come in
+    # two groups, long and short, so a median would fall between them, on a value no step had.
+    return {"steps": steps, "data_s": statistics.mean(data_s), "compute_s": statistics.mean(compute_s),
             "data_steps_s": data_s, "compute_steps_s": compute_s}
 
 
