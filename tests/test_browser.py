@@ -33,7 +33,7 @@ CELLS = [
     "result = launch.run('setup', nproc=2, timeout=120, hold_s=2)",
     # 1: a rerun panel whose show draws a figure (as 01, 03, 04 and 05 do) and whose fail_rank plants a crash
     "def show(run):\n"
-    "    bars({f'rank {row.contributed}': row.received for row in run.of(AllReduce)}, 'what each rank received',"
+    "    bars({f'rank {row.rank}': row.received for row in run.of(AllReduce)}, 'what each rank received',"
     " 'all_reduce sum')\n\n"
     "rerun_controls(functools.partial(launch.run, 'setup', timeout=120, hold_s=2), show=show,\n"
     "               nproc=([2, 3], 2), fail_rank=([-1, 0, 1], -1), fail_attempts=([0, 1], 0))",

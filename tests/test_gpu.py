@@ -12,14 +12,14 @@ needs_two_gpus = pytest.mark.skipif(gpu_count() < 2, reason="NCCL needs one GPU 
 @needs_gpu
 def test_two_gloo_ranks_share_one_gpu_with_cuda_tensors():
     result = launch.run("setup", nproc=2, backend="gloo", timeout=120, echo=False)
-    assert result.summary["sum"] == 1
+    assert result.summary["sum"] == 3
     assert all(r["device"].startswith("cuda") for r in result.of_kind("context"))
 
 
 @needs_two_gpus
 def test_nccl_one_rank_per_gpu():
     result = launch.run("setup", nproc=2, timeout=120, echo=False)
-    assert result.summary["backend"] == "nccl" and result.summary["sum"] == 1
+    assert result.summary["backend"] == "nccl" and result.summary["sum"] == 3
 
 
 @needs_gpu

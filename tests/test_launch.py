@@ -75,8 +75,8 @@ def test_a_restart_finishes_on_the_second_attempt_keeping_both_attempts_records(
     assert sorted(result.records_by_attempt) == [0, 1]
     assert {r["attempt"] for r in result.of_kind("allreduce")} == {1}
     first = result.of_kind("allreduce", attempt=0)
-    assert [r["received"] for r in first] == [1, 1], "attempt 0's records were lost"
-    assert result.summary["sum"] == 1
+    assert [r["received"] for r in first] == [3, 3], "attempt 0's records were lost"
+    assert result.summary["sum"] == 3  # 1 + 2: each rank puts in rank + 1
 
 
 def test_two_nodes_on_one_machine_complete_and_name_both_node_ranks(runs):
@@ -84,7 +84,7 @@ def test_two_nodes_on_one_machine_complete_and_name_both_node_ranks(runs):
     contexts = result.of_kind("context")
     assert sorted(c["node_rank"] for c in contexts) == [0, 1]
     assert {c["world_size"] for c in contexts} == {2}
-    assert result.summary["sum"] == 1
+    assert result.summary["sum"] == 3  # 1 + 2: each rank puts in rank + 1
     assert any(line.startswith("[node1 rank1]") for line in result.output), result.output
 
 
@@ -116,7 +116,7 @@ def test_a_failing_rank_shows_one_traceback_then_the_log_path(runs, capfd):
     assert seen.count("Traceback (most recent call last)") == 1, seen
     log_path = failure.result.run_dir / "launcher.log"
     assert str(failure).rstrip().splitlines()[-1].endswith(str(log_path))
-    assert "ChildFailedError" not in seen and "[rank0] contributed 0" in shown.out
+    assert "ChildFailedError" not in seen and "[rank0] contributed 1" in shown.out
     assert "ChildFailedError" in log_path.read_text(), "torchrun's report is missing from launcher.log"
     assert elapsed < 45, f"a crashed rank took {elapsed:.1f} s to be reported"
     assert launch.processes_of_run(failure.result.run_dir.name, None) == []
@@ -189,11 +189,11 @@ def test_two_launches_at_once_do_not_clash_and_both_return_their_records(runs):
     for thread in threads:
         thread.join()
     assert not errors, errors
-    assert [r.summary["sum"] for r in results] == [1, 1]
+    assert [r.summary["sum"] for r in results] == [3, 3]
     assert results[0].run_dir != results[1].run_dir
     for result in results:
         assert result.ok and sorted(result.records) == [0, 1]
-        assert [r["received"] for r in result.of_kind("allreduce")] == [1, 1]
+        assert [r["received"] for r in result.of_kind("allreduce")] == [3, 3]
         assert result.run_dir.parent.parent == runs
 
 
@@ -204,7 +204,7 @@ def test_wait_all_pairs_each_run_with_its_error_and_result(runs):
     assert list(finished) == ["fails", "works"]
     error, result = finished["fails"]
     assert isinstance(error, launch.RankFailed) and error.rank == 1 and result is error.result
-    assert finished["works"][0] is None and finished["works"][1].summary["sum"] == 1
+    assert finished["works"][0] is None and finished["works"][1].summary["sum"] == 3
 
 
 def test_a_stop_while_waiting_for_several_runs_ends_them_all(runs):

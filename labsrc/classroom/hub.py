@@ -38,8 +38,9 @@ def home_of(name: str) -> Path:
 
 
 def copy_notebooks(name: str, course_folder: str, exchange: Path | None = None) -> list[Path]:
-    """The course's notebooks and the scripts beside them into ~name/<course_folder>/notebooks, owned by the student: only those missing
-    (a student's own work is never overwritten; a notebook added to the course arrives at the next start),
+    """The course's notebooks, and the scripts beside them, into ~name/<course_folder>/notebooks, owned by the
+    student: only those missing (a student's own work is never overwritten; a notebook added to the course
+    arrives at the next start),
     beside links to the checkout's docs/ and cluster/ (the notebooks link to them); what it made.
 
     Called as root (the hub's pre-spawn hook), it writes as the student, in a child process that has dropped to

@@ -65,9 +65,9 @@ def verdict(every: list[dict], world_size: int) -> str | None:
     unfinished = [rank for rank, kind in enumerate(kinds) if kind == "own divided"]
     if unfinished:
         return (f"rank(s) {unfinished} returned their own tensor divided by the world size: the other ranks' values "
-                "had not arrived when you read it. With async_op=True the all_reduce runs in the background: call "
-                ".wait(timeout) on the handle it returns before you divide (and use dist.all_reduce: dist.reduce "
-                "delivers to one rank only).")
+                "had not arrived when you read it. Divide after dist.all_reduce has returned, not before it (with "
+                "async_op=True, the all_reduce has finished only after .wait() on the handle it returns). Use "
+                "dist.all_reduce: dist.reduce delivers to one rank only.")
     if kinds[0] in ("mean", "sum") and any(kind != kinds[0] for kind in kinds[1:]):
         return (f"only rank 0 holds the result (the other ranks returned: {kinds[1:]}): dist.reduce delivers to "
                 "one rank (dst) only. Every rank needs the mean: use dist.all_reduce.")

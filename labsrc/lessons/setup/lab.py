@@ -1,4 +1,7 @@
-"""Every rank contributes its rank id to one all_reduce; the sum must be 0+1+...+(n-1).
+"""Every rank contributes its rank + 1 to one all_reduce; the sum must be 1+2+...+n = n(n+1)/2.
+
+Rank + 1, not the rank: with 0 and 1 on 2 ranks, rank 1's own number already equals the sum, so a reduce to
+rank 0 or a MAX would pass for an all_reduce. With 1 and 2, both leave a rank holding 2 instead of 3.
 
     python -m labsrc.launch --nproc 2 setup -- --hold-s 3
     torchrun --nproc-per-node 2 -m labsrc.lessons.setup.lab
@@ -21,7 +24,7 @@ from labsrc.core.world import RequestError
 
 @dataclass
 class Options(LabOptions):
-    """The first launch: an all_reduce of rank ids, then optionally a hold or a planted crash."""
+    """The first lab launch: an all_reduce of every rank's rank + 1, then optionally a hold or a planted crash."""
 
     hold_s: float = 0
     """Seconds to keep running after the all_reduce (to watch a run being stopped)."""
@@ -43,7 +46,7 @@ class Options(LabOptions):
 
 @dataclass
 class AllReduce(Record):
-    """What one rank put into the all_reduce and what came back."""
+    """What one rank put into the all_reduce (its rank + 1) and what came back."""
 
     KIND: ClassVar[str] = "allreduce"
     contributed: int
@@ -61,12 +64,13 @@ def crashes_now(ctx, options: Options) -> bool:
 
 
 def allreduce_rank_ids(ctx, records, options: Options) -> dict:
-    value = torch.tensor([float(ctx.rank)], device=ctx.device)
-    if ctx.distributed:
+    mine = ctx.rank + 1  # a different number on every rank: 1, 2, ..., n
+    value = torch.tensor([float(mine)], device=ctx.device)
+    if ctx.world_size > 1:  # a rank alone has nothing to add
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
     total = int(value.item())
-    records.write(AllReduce(contributed=ctx.rank, received=total))
-    print(f"contributed {ctx.rank}, all_reduce gave {total}")
+    records.write(AllReduce(contributed=mine, received=total))
+    print(f"contributed {mine}, all_reduce gave {total}")
     for second in range(int(options.hold_s)):
         if crashes_now(ctx, options) and second == options.fail_after_s:
             raise PlantedCrash(f"rank {ctx.rank} crashed on purpose after {second} s (fail_rank)")
@@ -76,7 +80,7 @@ def allreduce_rank_ids(ctx, records, options: Options) -> dict:
         raise PlantedCrash(f"rank {ctx.rank} crashed on purpose (fail_rank)")
     if options.hold_s:
         records.progress(int(options.hold_s), int(options.hold_s), unit="seconds")
-    return {"sum": total, "expected": ctx.world_size * (ctx.world_size - 1) // 2}
+    return {"sum": total, "expected": ctx.world_size * (ctx.world_size + 1) // 2}
 
 
 def main(argv=None):
