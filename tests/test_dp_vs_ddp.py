@@ -7,7 +7,7 @@ from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from labsrc.core.forked import run_ranks
-from labsrc.lessons.dp_vs_ddp import sync
+from labsrc.lessons.dp_vs_ddp import batch_norm, dataparallel, sync
 from labsrc.training.data import synthetic_images
 from labsrc.training.models import TinyCNN
 
@@ -97,13 +97,13 @@ def test_buffer_sync_gives_every_forward_rank_zeros_buffers():
 
 def _global_batch_norm(ctx):
     images, labels = _batch()
-    mean, variance, count = sync.global_batch_statistics(_mine(ctx, images))
+    mean, variance, count = batch_norm.global_batch_statistics(_mine(ctx, images))
     torch.manual_seed(0)
     model = TinyCNN(batch_norm=True)
     reference = sync.full_batch_gradients(model, images, labels)
     local = DDP(copy.deepcopy(model))
     F.cross_entropy(local(_mine(ctx, images)), _mine(ctx, labels)).backward()
-    synced = DDP(sync.with_global_batch_norm(copy.deepcopy(model), ctx.device))
+    synced = DDP(batch_norm.with_global_batch_norm(copy.deepcopy(model), ctx.device))
     F.cross_entropy(synced(_mine(ctx, images)), _mine(ctx, labels)).backward()
     layer = synced.module.features[1]
     return {"mean": mean, "variance": variance, "count": count.item(), "layer": type(layer).__name__,
@@ -126,7 +126,7 @@ def test_global_batch_norm_gives_the_full_batch_statistics_and_gradient():
 
 
 def _global_running_statistics(ctx):
-    layer = sync.with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(3, momentum=0.5)), ctx.device)
+    layer = batch_norm.with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(3, momentum=0.5)), ctx.device)
     images, _ = _batch()
     return layer(_mine(ctx, images)), layer[0].running_mean, layer[0].running_var
 
@@ -142,7 +142,7 @@ def test_global_batch_norm_output_and_running_statistics_equal_one_process_batch
 
 
 def test_global_batch_norm_alone_is_plain_batch_norm():
-    layer = sync.with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(3)), torch.device("cpu"))
+    layer = batch_norm.with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(3)), torch.device("cpu"))
     images, _ = _batch()
     torch.testing.assert_close(layer(images), torch.nn.BatchNorm2d(3)(images))
 
@@ -154,7 +154,7 @@ def test_shard_refuses_a_batch_that_does_not_split_evenly():
 
 def test_dataparallel_shows_what_the_module_saw():
     images, labels = _batch(8)
-    report = sync.dataparallel_step(TinyCNN(), images, labels, repeats=2)
+    report = dataparallel.dataparallel_step(TinyCNN(), images, labels, repeats=2)
     assert sum(report["chunks"]) == 8
     assert report["chunks"] == [int(c.shape[0]) for c in images.chunk(max(1, report["gpus"]))]
     if report["gpus"] < 2:  # no scatter, no replicas: one call with the whole batch
@@ -166,12 +166,11 @@ def test_dataparallel_shows_what_the_module_saw():
 
 
 def test_dataparallel_arithmetic_sums_replica_gradients_without_dividing():
-    from labsrc.lessons.dp_vs_ddp.loss_mean import replica_gradients_summed
     images, labels = _batch(12)
     torch.manual_seed(3)
     model = TinyCNN(batch_norm=False)
     reference = sync.full_batch_gradients(model, images, labels)
-    summed = replica_gradients_summed(model, images, labels, replicas=3)
+    summed = dataparallel.replica_gradients_summed(model, images, labels, replicas=3)
     assert sync.largest_gap(summed, reference) <= 1e-6
     divided = {name: g / 3 for name, g in summed.items()}  # what dividing by the replica count would give
     assert sync.largest_gap(divided, reference) > 1e-3
@@ -252,3 +251,20 @@ def test_lab_records_every_experiment(tmp_path, monkeypatch):
     gaps = sync.curve_gaps(result.of(DdpStep), result.of(SingleStep))
     assert gaps["plain"] < 1e-3 and gaps["batch_norm_global"] < 1e-3
     assert gaps["batch_norm_local"] > 10 * gaps["batch_norm_global"]
+
+
+def _ddp_beside_one_process(ctx):
+    import itertools
+    dataset = synthetic_images(96, 8, seed=3)  # 48 samples per rank: 6 steps of 8 an epoch, so 8 steps cross one
+    torch.manual_seed(0)
+    model = TinyCNN(batch_norm=False)
+    alone = copy.deepcopy(model)
+    ddp = [loss for loss, _ in itertools.islice(sync.train_ddp(model, dataset, ctx.device, 8, 0.05, 2, seed=1), 8)]
+    return ddp, list(itertools.islice(sync.train_alone(alone, dataset, ctx.device, 16, 0.05, 2, seed=1), 8))
+
+
+def test_train_ddp_follows_one_process_on_the_union_of_the_shards_across_epochs():
+    (rank0, alone), (rank1, _) = run_ranks(_ddp_beside_one_process, 2)
+    assert all(a != b for a, b in zip(rank0, rank1)), "each rank's loss is on its own shard"
+    for step, (a, b, single) in enumerate(zip(rank0, rank1, alone)):
+        assert abs((a + b) / 2 - single) < 1e-4, f"step {step}: DDP's mean loss left the one-process loss"

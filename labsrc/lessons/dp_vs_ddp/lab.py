@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -19,10 +20,10 @@ from labsrc.core.options import LabOptions, positive
 from labsrc.core.plan import split_global_batch
 from labsrc.core.runs import Record
 from labsrc.lessons.dp_vs_ddp import loss_mean, sync
+from labsrc.lessons.dp_vs_ddp.batch_norm import with_global_batch_norm
 from labsrc.training import data
-from labsrc.training.loop import step, tf32
+from labsrc.training.loop import tf32
 from labsrc.training.models import build_model
-from labsrc.training.timing import timed
 
 
 @dataclass
@@ -168,7 +169,7 @@ def gradient_equivalence(ctx, records, images, labels, seed: int) -> None:
     local = sync.full_batch_gradients(model, mine, my_labels)
     bn_model = sync.seeded_model(ctx.device, seed, batch_norm=True)
     bn_reference = sync.full_batch_gradients(bn_model, images, labels)
-    bn_global = sync.with_global_batch_norm(copy.deepcopy(bn_model), ctx.device)
+    bn_global = with_global_batch_norm(copy.deepcopy(bn_model), ctx.device)
     largest = lambda gradients: max(g.abs().max().item() for g in gradients.values())
     records.write(Gradients(
         ddp_vs_full_batch=sync.largest_gap(with_ddp, reference),
@@ -216,8 +217,8 @@ def statistics_experiment(ctx, records, images, seed: int) -> None:
         reference = torch.nn.BatchNorm2d(channels, momentum=1.0).to(ctx.device)
         full_output = sync.shard(reference(whole), ctx.rank, ctx.world_size)
         local_output = torch.nn.BatchNorm2d(channels).to(ctx.device)(shard_features)
-        layer = sync.with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(channels)),
-                                                 ctx.device).to(ctx.device)
+        layer = with_global_batch_norm(torch.nn.Sequential(torch.nn.BatchNorm2d(channels)), ctx.device)
+        layer = layer.to(ctx.device)
         layer[0].momentum = 1.0  # running statistics := this batch's
         global_output = layer(shard_features)
     gap = lambda left, right: (left - right).abs().max().item()
@@ -226,54 +227,37 @@ def statistics_experiment(ctx, records, images, seed: int) -> None:
                              gap(layer[0].running_var, reference.running_var)))
 
 
-def train_ddp(ctx, records, profile, dataset, variant: sync.Variant, seed: int) -> None:
-    """One DDP run: per-step loss and the parameters' spread across ranks after each step."""
-    model = DDP(sync.seeded_model(ctx.device, seed, variant.batch_norm, variant.global_statistics))
-    optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
-    batches = iter(data.DeviceBatches(dataset, profile.global_batch // ctx.world_size, ctx, seed=seed))
-    for index in range(profile.steps):
-        loss = step(model, optimizer, *next(batches))
-        records.write(DdpStep(variant.key, index, loss.item(),
-                              sync.spread_across_ranks(list(model.parameters()))))
+def epochs_for(steps: int, profile, dataset_size: int) -> int:
+    """Epochs that hold `steps` steps of the profile's global batch (drop_last: full batches only)."""
+    per_epoch = dataset_size // profile.global_batch
+    return -(-steps // per_epoch)
 
 
-def train_single(ctx, records, profile, dataset, batch_norm: bool, seed: int) -> None:
+def record_ddp_run(ctx, records, profile, dataset, variant: sync.Variant, seed: int) -> None:
+    """One DDP run (sync.train_ddp): per-step loss and the parameters' spread across ranks after each step."""
+    model = sync.seeded_model(ctx.device, seed, variant.batch_norm, variant.global_statistics)
+    run = sync.train_ddp(model, dataset, ctx.device, profile.global_batch // ctx.world_size, profile.lr,
+                         epochs_for(profile.steps, profile, len(dataset)), seed)
+    for index, (loss, ddp_model) in enumerate(itertools.islice(run, profile.steps)):
+        records.write(DdpStep(variant.key, index, loss, sync.spread_across_ranks(list(ddp_model.parameters()))))
+
+
+def record_single_run(ctx, records, profile, dataset, batch_norm: bool, seed: int) -> None:
     """Rank 0 alone: the same start, one process, the whole global batch each step (the union of the shards)."""
-    alone = dataclasses.replace(ctx, rank=0, local_rank=0, world_size=1)
     model = sync.seeded_model(ctx.device, seed, batch_norm)
-    optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
-    batches = iter(data.DeviceBatches(dataset, profile.global_batch, alone, seed=seed))
-    for index in range(profile.steps):
-        records.write(SingleStep(batch_norm, index, step(model, optimizer, *next(batches)).item()))
+    run = sync.train_alone(model, dataset, ctx.device, profile.global_batch, profile.lr,
+                           epochs_for(profile.steps, profile, len(dataset)), seed)
+    for index, loss in enumerate(itertools.islice(run, profile.steps)):
+        records.write(SingleStep(batch_norm, index, loss))
 
 
 def time_steps(ctx, records, profile, dataset, seed: int) -> None:
-    """DDP steps of the profile's model, each phase timed; the backward again under no_sync (compute only).
-
-    One warm-up step, then profile.repeats timed steps, one StepTiming record each.
-    """
+    """DDP steps of the profile's model, each phase timed (sync.timed_ddp_steps): one StepTiming record each."""
     torch.manual_seed(seed)
     model = DDP(build_model(profile.model).to(ctx.device))
-    optimizer = torch.optim.SGD(model.parameters(), lr=profile.lr, momentum=0.9)
     batches = iter(data.DeviceBatches(dataset, profile.global_batch // ctx.world_size, ctx, seed=seed))
-    loss_of = lambda images, labels: torch.nn.functional.cross_entropy(model(images), labels)
-    for index in range(1 + profile.repeats):
-        images, labels = next(batches)
-        with timed(ctx.device) as forward:
-            loss = loss_of(images, labels)
-        optimizer.zero_grad(set_to_none=True)
-        with timed(ctx.device) as backward:
-            loss.backward()
-        with timed(ctx.device) as update:
-            optimizer.step()
-        with model.no_sync():  # no_sync must cover the forward: DDP arms its reducer there
-            local_loss = loss_of(images, labels)
-            optimizer.zero_grad(set_to_none=True)
-            with timed(ctx.device) as local:
-                local_loss.backward()
-        optimizer.zero_grad(set_to_none=True)
-        if index > 0:  # the first step pays for warm-up
-            records.write(StepTiming(profile.model, index, forward["s"], backward["s"], local["s"], update["s"]))
+    for index, seconds in enumerate(sync.timed_ddp_steps(model, batches, profile.lr, ctx.device, profile.repeats)):
+        records.write(StepTiming(profile.model, index + 1, *seconds))
 
 
 def experiments(ctx, records, options: Options) -> dict:
@@ -286,16 +270,14 @@ def experiments(ctx, records, options: Options) -> dict:
     noise_experiment(ctx, records, profile, options.seed)
     statistics_experiment(ctx, records, images, options.seed)
     dataset = data.synthetic_images(profile.num_samples, profile.image_size, seed=options.seed)
-    total = len(sync.VARIANTS) + 1 + (2 if ctx.is_main else 0)
-    for index, variant in enumerate(sync.VARIANTS):
-        train_ddp(ctx, records, profile, dataset, variant, options.seed)
-        records.progress(index + 1, total, unit="training runs")
-    time_steps(ctx, records, profile, dataset, options.seed)
-    records.progress(len(sync.VARIANTS) + 1, total, unit="training runs")
-    if ctx.is_main:
-        for index, batch_norm in enumerate((False, True)):
-            train_single(ctx, records, profile, dataset, batch_norm, options.seed)
-            records.progress(total - 1 + index, total, unit="training runs")
+    runs = [lambda v=v: record_ddp_run(ctx, records, profile, dataset, v, options.seed) for v in sync.VARIANTS]
+    runs.append(lambda: time_steps(ctx, records, profile, dataset, options.seed))
+    if ctx.is_main:  # rank 0 also trains alone, with and without BatchNorm
+        runs += [lambda b=b: record_single_run(ctx, records, profile, dataset, b, options.seed) for b in (False, True)]
+    for index, run in enumerate(runs):
+        run()
+        if ctx.is_main:  # one progress bar: rank 0 runs every part
+            records.progress(index + 1, len(runs), unit="training runs")
     return {"profile": profile.name, "global_batch": profile.global_batch, "steps": profile.steps,
             "model": profile.model, "timed_steps": profile.repeats,
             "per_rank_batch": profile.global_batch // ctx.world_size,

@@ -1,8 +1,7 @@
-"""Whose mean is the loss? DataParallel's one mean over the gathered batch, DDP's mean of rank means, masked tokens."""
+"""Whose mean is the loss? DDP's mean of rank means against a masked-token mean; the noise-data check."""
 from __future__ import annotations
 
 import copy
-import datetime
 from dataclasses import dataclass
 
 import torch
@@ -13,23 +12,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from labsrc.lessons.dp_vs_ddp.sync import gradients, largest_gap, shard, spread_across_ranks
 from labsrc.training.models import TinyCNN
-
-
-def replica_gradients_summed(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, replicas: int) -> dict:
-    """DataParallel's arithmetic in one process: {name: the replicas' gradients summed, not divided}.
-
-    images: (G, ...), labels: (G,). Each of `replicas` copies of the model runs one chunk of the batch
-    (scatter); the outputs are concatenated (gather) and ONE mean loss is taken over all G samples; each
-    copy's gradient is then summed, as DataParallel's backward reduce-adds the replicas' gradients onto
-    the first GPU's parameters (torch/nn/parallel/_functions.py: Broadcast.backward -> ReduceAddCoalesced).
-    """
-    copies = [copy.deepcopy(model) for _ in range(replicas)]
-    for replica in copies:
-        replica.zero_grad(set_to_none=True)
-    outputs = torch.cat([replica(chunk) for replica, chunk in zip(copies, images.chunk(replicas))])
-    F.cross_entropy(outputs, labels).backward()
-    per_replica = [gradients(replica) for replica in copies]
-    return {name: sum(grads[name] for grads in per_replica) for name in per_replica[0]}
 
 
 def masked_token_batch(world_size: int, seed: int, features: int = 8, classes: int = 5):
@@ -60,7 +42,7 @@ def count_weighted_loss(logits: torch.Tensor, labels: torch.Tensor, mask: torch.
     averages is sum over all ranks' tokens / global count: the full-batch masked mean.
     """
     total = mask.sum().detach().clone()
-    dist.all_reduce(total, async_op=True).wait(datetime.timedelta(seconds=60))
+    dist.all_reduce(total)  # the global count, on every rank
     return (F.cross_entropy(logits, labels, reduction="none") * mask).sum() * world_size / total
 
 

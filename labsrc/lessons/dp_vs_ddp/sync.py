@@ -1,19 +1,20 @@
-"""The sync experiment: what DataParallel and DDP do to a batch, its gradients, parameters and buffers."""
+"""The sync experiment: DDP training as a script writes it, and what DDP does to gradients, parameters and buffers."""
 from __future__ import annotations
 
-import contextlib
 import copy
 import statistics
-import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
-from torch.nn.parallel import DistributedDataParallel
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
 
-from labsrc.training.loop import step, tf32
+from labsrc.lessons.dp_vs_ddp.batch_norm import with_global_batch_norm
+from labsrc.training.loop import step
+from labsrc.training.timing import timed
 from labsrc.training.models import TinyCNN
 
 
@@ -84,7 +85,7 @@ def shard_gradients(ctx, model: nn.Module, images, labels, by_hand: bool = False
     images: (G, ...), labels: (G,), the whole global batch on every rank; the model is copied, not changed.
     """
     copied = copy.deepcopy(model)
-    wrapped = copied if by_hand else DistributedDataParallel(copied)
+    wrapped = copied if by_hand else DDP(copied)
     step(wrapped, None, shard(images, ctx.rank, ctx.world_size),
          shard(labels, ctx.rank, ctx.world_size))
     if by_hand:
@@ -92,11 +93,56 @@ def shard_gradients(ctx, model: nn.Module, images, labels, by_hand: bool = False
     return gradients(wrapped)
 
 
+def train_ddp(model: nn.Module, dataset, device: torch.device, batch_size: int, lr: float, epochs: int,
+              seed: int = 0):
+    """DDP training as a script writes it; yields (this rank's loss, the DDP model) after every step.
+
+    model: the same architecture on every rank; dataset: the whole training set on every rank; batch_size:
+    this rank's samples per step, the global batch / world size. Needs the process group set up.
+    """
+    sampler = DistributedSampler(dataset, seed=seed, drop_last=True)  # this rank's share of each epoch
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+    model = DDP(model.to(device))  # copies rank 0's weights to every rank
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same one on every rank
+        for images, labels in loader:
+            images, labels = images.to(device), labels.to(device)
+            loss = F.cross_entropy(model(images), labels)  # the mean over this rank's samples only
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # DDP all-reduces the gradients during backward: every rank gets their average
+            optimizer.step()  # the same gradient on every rank, so the same update
+            yield loss.item(), model  # for the lab's records
+
+
+def train_alone(model: nn.Module, dataset, device: torch.device, batch_size: int, lr: float, epochs: int,
+                seed: int = 0):
+    """One process, no DDP, batch_size = the global batch; yields the loss after every step.
+
+    Its sampler is the ranks' sampler for a world of one: the same shuffle, so each of its batches holds
+    exactly the samples that the ranks' batches of that step hold together.
+    """
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, seed=seed, drop_last=True)
+    loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=True)
+    model = model.to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    for epoch in range(epochs):
+        sampler.set_epoch(epoch)
+        for images, labels in loader:
+            images, labels = images.to(device), labels.to(device)
+            loss = F.cross_entropy(model(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            yield loss.item()
+
+
 def buffer_sync_option(enabled: bool) -> dict:
-    """DDP's keyword for syncing buffers from rank 0 before each forward: `forward_sync_buffers` where
-    this torch has it (newer releases deprecate `broadcast_buffers` for it), else `broadcast_buffers`."""
+    """DDP's keyword for copying rank 0's buffers to every rank before a training forward: `forward_sync_buffers`
+    where this torch has it (torch 2.13 deprecated `broadcast_buffers` for it), else `broadcast_buffers`.
+    Unlike `forward_sync_buffers=False`, `broadcast_buffers=False` also skips the buffers' broadcast in DDP(model)."""
     import inspect
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+    if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters:
         return {"forward_sync_buffers": enabled}
     return {"broadcast_buffers": enabled}
 
@@ -104,132 +150,6 @@ def buffer_sync_option(enabled: bool) -> dict:
 def batch_norm_buffers(model: nn.Module) -> list[torch.Tensor]:
     """Every BatchNorm running mean and running variance of a model (its buffers that hold statistics)."""
     return [b for name, b in model.named_buffers() if "running_" in name]
-
-
-class SumOverRanks(torch.autograd.Function):
-    """all_reduce(SUM) that autograd can see through: the gradient of a sum over ranks is summed too."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
-        total = tensor.clone()
-        dist.all_reduce(total)
-        return total
-
-    @staticmethod
-    def backward(ctx, gradient: torch.Tensor) -> torch.Tensor:
-        total = gradient.clone()
-        dist.all_reduce(total)
-        return total
-
-
-def global_batch_statistics(features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-channel mean and (biased) variance over the whole global batch: SyncBatchNorm's statistics.
-
-    features: (N_rank, C, H, W) on each rank -> mean (C,), variance (C,), count (): the same on every
-    rank, here from all-reduces of sums (count, sum, sum of squared deviations). torch's SyncBatchNorm
-    reaches the same numbers by all-gathering every rank's (mean, invstd, count) instead.
-    """
-    dims = [0, 2, 3]
-    count = torch.tensor(float(features.numel() // features.shape[1]), device=features.device)
-    dist.all_reduce(count)
-    mean = SumOverRanks.apply(features.sum(dims)) / count
-    centred = features - mean[None, :, None, None]
-    variance = SumOverRanks.apply((centred * centred).sum(dims)) / count
-    return mean, variance, count
-
-
-class GlobalBatchNorm2d(nn.BatchNorm2d):
-    """BatchNorm2d normalising with the statistics of the global batch, like SyncBatchNorm, on any device.
-
-    (N_rank, C, H, W) -> (N_rank, C, H, W). torch's nn.SyncBatchNorm takes GPU tensors only; this one
-    also runs on gloo CPU ranks. Its backward all-reduces too (SumOverRanks), so after DDP's average
-    the gradient is the full-batch BatchNorm gradient. Outside a process group, or in eval mode, it is
-    plain BatchNorm2d.
-    """
-
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        if not (self.training and dist.is_available() and dist.is_initialized()):
-            return super().forward(features)
-        mean, variance, count = global_batch_statistics(features)
-        if self.track_running_stats:
-            with torch.no_grad():
-                self.num_batches_tracked.add_(1)
-                momentum = self.momentum if self.momentum is not None else 1.0 / self.num_batches_tracked.item()
-                self.running_mean.lerp_(mean, momentum)
-                self.running_var.lerp_(variance * count / (count - 1), momentum)  # unbiased, as BatchNorm
-        shape = (1, -1, 1, 1)
-        normalised = (features - mean.view(shape)) * torch.rsqrt(variance.view(shape) + self.eps)
-        if self.affine:
-            normalised = normalised * self.weight.view(shape) + self.bias.view(shape)
-        return normalised
-
-
-def with_global_batch_norm(model: nn.Module, device: torch.device) -> nn.Module:
-    """The model with every BatchNorm2d normalising over the global batch, its state kept.
-
-    On CUDA: torch's nn.SyncBatchNorm.convert_sync_batchnorm. Elsewhere: GlobalBatchNorm2d.
-    """
-    if device.type == "cuda":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    for name, child in model.named_children():
-        if isinstance(child, nn.BatchNorm2d) and not isinstance(child, GlobalBatchNorm2d):
-            replacement = GlobalBatchNorm2d(child.num_features, child.eps, child.momentum, child.affine,
-                                            child.track_running_stats).to(device)
-            replacement.load_state_dict(child.state_dict())
-            setattr(model, name, replacement)
-        else:
-            with_global_batch_norm(child, device)
-    return model
-
-
-def synchronize_all(gpus: int) -> None:
-    """Wait for the queued work of every GPU (DataParallel's replicas run on all of them)."""
-    for index in range(gpus):
-        torch.cuda.synchronize(index)
-
-
-def dataparallel_step(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, repeats: int = 3,
-                      lr: float = 0.05) -> dict:
-    """Training steps through nn.DataParallel: what each call of the module saw, its gradient, the step time.
-
-    images: (N, 3, H, W), labels: (N,). With 2+ GPUs the batch is scattered in chunks along dim 0 to
-    device_ids, the module replicated onto each GPU, and the outputs gathered on the first; the step
-    (forward, backward, SGD update) is timed, the fastest of `repeats` steps after a warm-up. With fewer
-    GPUs DataParallel calls the module as it is, once, with the whole batch. Calls are listed in device
-    order. The warm-up step runs in float32 (TF32 off) and its gradient is compared with one process's
-    full-batch gradient: gradient_vs_full_batch.
-    """
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    device = torch.device("cuda", 0) if gpus else torch.device("cpu")
-    model = model.to(device)
-    images, labels = images.to(device), labels.to(device)
-    with tf32(False):
-        reference = full_batch_gradients(model, images, labels)
-    calls: list[dict] = []  # one entry per replica call; replicas share the module's hooks
-    hook = model.register_forward_pre_hook(
-        lambda module, args: calls.append({"shape": list(args[0].shape), "device": str(args[0].device)}))
-    parallel = nn.DataParallel(model, device_ids=list(range(gpus)) or None)
-    optimizer = torch.optim.SGD(parallel.parameters(), lr=lr)
-    seconds, first_step_calls, gap = [], [], None
-    for index in range(1 + repeats if gpus >= 2 else 1):
-        synchronize_all(gpus)
-        start = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        with tf32(False) if index == 0 else contextlib.nullcontext():
-            outputs = parallel(images)
-            F.cross_entropy(outputs, labels).backward()
-        if index == 0:
-            gap = largest_gap(gradients(model), reference)
-        optimizer.step()
-        synchronize_all(gpus)
-        seconds.append(time.perf_counter() - start)
-        first_step_calls = first_step_calls or sorted(calls, key=lambda call: torch.device(call["device"]).index or 0)
-    hook.remove()
-    return {"gpus": gpus, "device_ids": list(parallel.device_ids), "calls": first_step_calls,
-            "chunks": [call["shape"][0] for call in first_step_calls], "output_device": str(outputs.device),
-            "replicated": len(first_step_calls) > 1, "step_s": min(seconds[1:]) if gpus >= 2 else None,
-            "gradient_vs_full_batch": gap,
-            "largest_gradient": max(g.abs().max().item() for g in reference.values())}
 
 
 @dataclass(frozen=True)
@@ -281,6 +201,33 @@ def step_breakdown_ms(timings) -> dict[str, float]:
     all_reduce what DDP's backward takes beyond it."""
     timings = list(timings)
     median = lambda key: 1000 * statistics.median(getattr(r, key) for r in timings)
-    return {"forward": median("forward_s"), "backward": median("local_backward_s"),
+    return {"forward": median("forward_s"), "backward": median("local_backward_s"),  # all_reduce: what it did not hide
             "all_reduce": max(0.0, median("backward_s") - median("local_backward_s")),
             "optimizer": median("optimizer_s")}
+
+
+def timed_ddp_steps(model: DDP, batches, lr: float, device: torch.device, steps: int):
+    """Times `steps` DDP steps after one warm-up: yields (forward_s, backward_s, local_backward_s, optimizer_s).
+
+    local_backward_s: the same backward again under no_sync(), which skips the all-reduce (compute only).
+    batches: an iterator of (images, labels) on `device`, this rank's share of each step.
+    """
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    loss_of = lambda images, labels: F.cross_entropy(model(images), labels)
+    for index in range(1 + steps):
+        images, labels = next(batches)
+        with timed(device) as forward:
+            loss = loss_of(images, labels)
+        optimizer.zero_grad(set_to_none=True)
+        with timed(device) as backward:
+            loss.backward()
+        with timed(device) as update:
+            optimizer.step()
+        with model.no_sync():  # no_sync must cover the forward: DDP arms its reducer there
+            local_loss = loss_of(images, labels)
+            optimizer.zero_grad(set_to_none=True)
+            with timed(device) as local:
+                local_loss.backward()
+        optimizer.zero_grad(set_to_none=True)
+        if index > 0:  # the first step pays for warm-up
+            yield forward["s"], backward["s"], local["s"], update["s"]
