@@ -77,7 +77,7 @@ class BucketedDDP(nn.Module):
     layers. Buckets are launched in index order, as DDP's reducer does, so every rank issues the same
     collectives in the same order even if a later bucket happens to fill first. finish_gradient_sync()
     (call it before optimizer.step()) waits for every bucket, divides by the world size and copies the
-    averages back into .grad. Every parameter must get a gradient.
+    averages back into .grad. Every parameter must get a gradient. `events` keeps the last step's schedule.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25.0):
@@ -85,39 +85,25 @@ class BucketedDDP(nn.Module):
         self.module = module
         self.world_size = dist.get_world_size()
         self.parameters_in_order = [p for p in module.parameters() if p.requires_grad]
-        self.buckets = assign_buckets(self.parameters_in_order, int(bucket_cap_mb * 2**20))
+        self.buckets = assign_buckets(self.parameters_in_order, int(bucket_cap_mb * 2**20))  # last layer first
         self.bucket_of = {index: b for b, bucket in enumerate(self.buckets) for index in bucket}
-        self.allreduce_calls = 0
-        self.events: list[ScheduleEvent] = []  # this step's schedule: hooks fired, all-reduces launched
+        self.events, self.allreduce_calls = [], 0  # the last step's schedule, and all-reduces launched in all
         self._reset()
-        broadcast_parameters(module)
+        broadcast_parameters(module)  # every rank starts from rank 0's model
         for index, parameter in enumerate(self.parameters_in_order):
             parameter.register_post_accumulate_grad_hook(self._make_hook(index))
 
-    def _reset(self) -> None:
-        self.ready = [0] * len(self.buckets)
-        self.next_bucket = 0
-        self.pending: list[tuple[int, torch.Tensor, dist.Work]] = []
-
-    def forward(self, *inputs):
-        return self.module(*inputs)
-
     def _make_hook(self, index: int):
-        def hook(parameter: torch.Tensor) -> None:
-            if not any(self.ready):  # the first gradient of a new backward: keep this step's schedule only
-                self.events.clear()
-            self.events.append(ScheduleEvent("hook", index, time.perf_counter()))
+        def hook(parameter: torch.Tensor) -> None:  # called once parameter.grad is final for this backward
+            self._log("hook", index)
             bucket = self.bucket_of[index]
             self.ready[bucket] += 1
             self._launch_full_buckets(bucket)
         return hook
 
     def _launch_full_buckets(self, filled: int) -> None:
-        """Launch the buckets whose turn has come: bucket 0, then 1, ..., each once it is full.
-
-        filled: the bucket that just received a gradient. Whatever order the buckets fill in on this rank,
-        they leave in index order, so every rank's k-th all-reduce carries the same bucket.
-        """
+        # Bucket 0, then 1, ..., each once it is full, whichever bucket just filled (`filled`, unused here;
+        # ArrivalOrderDDP uses it): every rank's k-th all-reduce then carries the same bucket.
         while (self.next_bucket < len(self.buckets)
                and self.ready[self.next_bucket] == len(self.buckets[self.next_bucket])):
             self._launch(self.next_bucket)
@@ -125,21 +111,36 @@ class BucketedDDP(nn.Module):
 
     def _launch(self, bucket: int) -> None:
         grads = [self.parameters_in_order[i].grad for i in self.buckets[bucket]]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.events.append(ScheduleEvent("all_reduce", bucket, time.perf_counter()))
-        self.pending.append((bucket, flat, dist.all_reduce(flat, async_op=True)))
-        self.allreduce_calls += 1
+        flat = torch.cat([g.reshape(-1) for g in grads])  # the whole bucket as one message
+        self._log("all_reduce", bucket)
+        work = dist.all_reduce(flat, async_op=True)  # returns at once: backward goes on meanwhile
+        self.pending.append((bucket, flat, work))
 
     def finish_gradient_sync(self) -> None:
         for bucket, flat, work in self.pending:
             work.wait()
-            flat.div_(self.world_size)
+            flat.div_(self.world_size)  # the sum over ranks -> the average
             offset = 0
             for index in self.buckets[bucket]:
                 grad = self.parameters_in_order[index].grad
                 grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
                 offset += grad.numel()
         self._reset()
+
+    def _reset(self) -> None:
+        self.ready = [0] * len(self.buckets)
+        self.next_bucket = 0
+        self.pending: list[tuple[int, torch.Tensor, dist.Work]] = []
+
+    def _log(self, kind: str, index: int) -> None:
+        """Keep this step's schedule (a new backward's first gradient clears the last one) and count all-reduces."""
+        if kind == "hook" and not any(self.ready):
+            self.events.clear()
+        self.events.append(ScheduleEvent(kind, index, time.perf_counter()))
+        self.allreduce_calls += kind == "all_reduce"
+
+    def forward(self, *inputs):
+        return self.module(*inputs)
 
 
 class ArrivalOrderDDP(BucketedDDP):
@@ -149,7 +150,7 @@ class ArrivalOrderDDP(BucketedDDP):
     1's another: a collective pairs whatever each rank hands it. Equal sizes: the sums mix different parameters,
     silently. Different sizes on gloo: the rank that receives more than it expects aborts ("Received data size
     doesn't match expected size. Is there a distributed collective mismatch in your code?") and the other
-    waits until its timeout.
+    waits until its timeout. NCCL does not check sizes: a hang or silently wrong sums.
     """
 
     def _launch_full_buckets(self, filled: int) -> None:

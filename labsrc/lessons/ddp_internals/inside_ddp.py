@@ -38,6 +38,15 @@ class CommCounter:
         self.calls, self.bytes = 0, 0
         self.bucket_members.clear()
 
+    def count(self, bucket, sent: torch.Tensor) -> None:
+        """One all-reduce of `sent` for DDP's GradBucket `bucket`: its bytes, dtype, storage and parameters."""
+        storage = bucket.buffer().untyped_storage()
+        self.bucket_storages[storage.data_ptr()] = storage.nbytes()
+        self.bucket_members[bucket.index()] = [p.data_ptr() for p in bucket.parameters()]
+        self.calls += 1
+        self.bytes += sent.numel() * sent.element_size()
+        self.dtypes.add(str(sent.dtype).removeprefix("torch."))
+
     def buckets(self, model: nn.Module) -> list[list[int]]:
         """The buckets seen since the last reset, bucket 0 first, as indices into model.parameters()."""
         index_of = {p.data_ptr(): index for index, p in enumerate(model.parameters())}
@@ -52,19 +61,15 @@ def counting_hook(dtype: torch.dtype | None = None):
     (compressed) copy the result back into the fp32 bucket: only the bytes on the wire shrink.
     The bytes counted are those of the tensor actually handed to all_reduce.
     """
-    def hook(counter, bucket):  # no annotations: DDP checks them, and this module's are strings
-        buffer = bucket.buffer()  # (bucket elements,) flat gradients of this bucket
-        counter.bucket_storages[buffer.untyped_storage().data_ptr()] = buffer.untyped_storage().nbytes()
-        counter.bucket_members[bucket.index()] = [p.data_ptr() for p in bucket.parameters()]
+    def hook(counter, bucket):  # DDP calls it with each full bucket; it looks `bucket` up by name
+        buffer = bucket.buffer()  # (bucket elements,) the bucket's flat fp32 gradients
         sent = buffer if dtype is None else buffer.to(dtype)
-        sent.div_(dist.get_world_size())
-        counter.calls += 1
-        counter.bytes += sent.numel() * sent.element_size()
-        counter.dtypes.add(str(sent.dtype).removeprefix("torch."))
-        future = dist.all_reduce(sent, async_op=True).get_future()
+        sent.div_(dist.get_world_size())  # divide first, then sum: the average
+        counter.count(bucket, sent)
+        future = dist.all_reduce(sent, async_op=True).get_future()  # a Future of [sent], summed over ranks
         if dtype is None:
-            return future.then(lambda done: done.value()[0])
-        return future.then(lambda done: buffer.copy_(done.value()[0]))
+            return future.then(lambda done: done.value()[0])  # DDP wants a Future of one tensor
+        return future.then(lambda done: buffer.copy_(done.value()[0]))  # back into the fp32 bucket
     return hook
 
 
@@ -153,7 +158,8 @@ def bucket_view_comparison(make_model, images, labels, bucket_cap_mb: float) -> 
     """gradient_as_bucket_view off and on: the bytes of every distinct gradient storage, measured.
 
     Off: DDP's buckets hold a copy of every gradient, so gradients are stored twice.
-    On: each .grad is a view into its bucket: one copy. One row per setting, {"as_view", ...storages}.
+    On: each .grad is a view into its bucket, so they are stored once (zero_grad's set_to_none still makes
+    DDP copy each new gradient into its bucket at every backward; only the copy back out is saved). One row per setting, {"as_view", ...storages}.
     """
     rows = []
     for as_view in (False, True):
@@ -261,7 +267,7 @@ def covered_ms(intervals: list[tuple[float, float]], until: float = float("inf")
 
 
 def overlap_ms(spans: list[dict]) -> dict:
-    """When backward ends, when all-reduces are launched, and how long some all-reduce ran (in all, and during backward).
+    """When backward ends, when all-reduces are launched and the last ends, how long some ran (in all, during backward).
 
     spans: as profiled_step returns them. gloo runs all-reduces on two threads, so running spans can
     overlap each other: their union is measured.
@@ -271,4 +277,5 @@ def overlap_ms(spans: list[dict]) -> dict:
     running = [(s["start"], s["end"]) for s in spans if s["kind"] == "allreduce_running"]
     return {"backward_end": backward_end, "first_launch": min(launched),
             "launched_during_backward": sum(t < backward_end for t in launched), "launched": len(launched),
-            "running_ms": covered_ms(running), "running_ms_during_backward": covered_ms(running, backward_end)}
+            "running_ms": covered_ms(running), "running_ms_during_backward": covered_ms(running, backward_end),
+            "running_end": max((end for _, end in running), default=backward_end)}
