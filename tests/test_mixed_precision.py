@@ -11,14 +11,14 @@ from labsrc.core.profiles import PROFILES
 from labsrc.core.world import RequestError
 from labsrc.launch import RunResult
 from labsrc.lessons.dp_vs_ddp import sync
-from labsrc.lessons.mixed_precision import precision, under_ddp
-from labsrc.lessons.mixed_precision.lab import (AmpStep, GradientBytes, ModeCost, Options, SkippedMode,
-                                                micro_batch_size, mixed_precision_lab, modes_for)
+from labsrc.lessons.mixed_precision import costs, formats, plots, precision, under_ddp
+from labsrc.lessons.mixed_precision.lab import (AccumulationVariant, AmpStep, GradientBytes, ModeCost, Options,
+                                                SkippedMode, micro_batch_size, mixed_precision_lab, modes_for)
 from labsrc.training.models import TinyCNN
 
 
 def test_formats_differ_where_they_should():
-    table = precision.format_table()
+    table = formats.format_table()
     assert table["fp16"]["max"] == 65504.0 and table["bf16"]["max"] > 3e38  # bf16: fp32's 8 exponent bits
     assert table["bf16"]["smallest_normal"] == table["fp32"]["smallest_normal"] == 2.0**-126
     assert table["bf16"]["eps"] == 2**-7 and table["fp16"]["eps"] == 2**-10
@@ -27,9 +27,29 @@ def test_formats_differ_where_they_should():
     assert table["fp16"]["1e-8"] == 0.0 and table["bf16"]["1e-8"] > 0
 
 
+def test_format_ranges_reach_down_to_the_smallest_subnormal():
+    ranges = formats.format_ranges()
+    assert ranges["fp16"]["smallest_subnormal"] == 2.0**-24 and ranges["fp16"]["smallest_normal"] == 2.0**-14
+    assert ranges["bf16"]["smallest_subnormal"] == 2.0**-133 and ranges["fp32"]["smallest_subnormal"] == 2.0**-149
+    assert torch.tensor(ranges["fp16"]["smallest_subnormal"], dtype=torch.float16).item() == 2.0**-24  # representable
+    assert torch.tensor(ranges["fp16"]["smallest_subnormal"] / 2.1, dtype=torch.float16).item() == 0.0  # below half: 0
+
+
+def test_the_concept_figures_draw_from_measured_numbers():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    ranges = formats.format_ranges()
+    ax = plots.format_ranges(ranges, {"1e-8": 1e-8})
+    assert [label.get_text().split()[0] for label in ax.get_yticklabels()] == ["fp32", "bf16", "fp16"]
+    gradients = precision.small_loss_gradients(None, 1e-6)
+    ax = plots.gradients_on_fp16_line(gradients, 2.0**16, ranges["fp16"])
+    assert ax.get_xscale() == "log" and len(ax.patches) > 3
+    matplotlib.pyplot.close("all")
+
+
 def test_bf16_rounds_about_eight_times_coarser_than_fp16():
-    bf16, fp16 = precision.rounding_error(torch.bfloat16), precision.rounding_error(torch.float16)
-    assert precision.rounding_error(torch.float32) == 0.0
+    bf16, fp16 = formats.rounding_error(torch.bfloat16), formats.rounding_error(torch.float16)
+    assert formats.rounding_error(torch.float32) == 0.0
     assert 4 < bf16 / fp16 < 16  # three fewer mantissa bits: 2^3
 
 
@@ -80,18 +100,18 @@ def test_autocast_all_reduces_fp32_gradients_and_only_compression_or_bf16_parame
 
 def test_float32_matmul_precision_is_restored():
     before = torch.get_float32_matmul_precision()
-    with precision.float32_matmul_precision("high" if before == "highest" else "highest"):
+    with formats.float32_matmul_precision("high" if before == "highest" else "highest"):
         assert torch.get_float32_matmul_precision() != before
     assert torch.get_float32_matmul_precision() == before
-    assert precision.tf32_unavailable("cpu") and set(precision.tf32_settings()) >= {
+    assert formats.tf32_unavailable("cpu") and set(formats.tf32_settings()) >= {
         "torch.backends.cuda.matmul.allow_tf32", "torch.backends.cudnn.allow_tf32"}
 
 
 @pytest.mark.parametrize("mode", ["bf16", "fp16"])
 def test_autocast_saves_the_same_elements_in_half_the_bytes(mode):
     images, labels = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
-    fp32 = precision.saved_activation_bytes(TinyCNN(), images, labels, "fp32")
-    half = precision.saved_activation_bytes(TinyCNN(), images, labels, mode)
+    fp32 = costs.saved_activation_bytes(TinyCNN(), images, labels, "fp32")
+    half = costs.saved_activation_bytes(TinyCNN(), images, labels, mode)
     sixteen_bit = half["bfloat16" if mode == "bf16" else "float16"]
     assert half["elements"] == fp32["elements"]
     assert fp32["total"] - half["total"] == sixteen_bit  # each 16-bit element saved 2 of its 4 bytes
@@ -99,22 +119,22 @@ def test_autocast_saves_the_same_elements_in_half_the_bytes(mode):
 
 def test_mode_costs_report_every_mode():
     images, labels = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
-    costs = precision.mode_costs(TinyCNN, images, labels, ["fp32", "bf16", "fp16"], steps=2)
-    assert set(costs) == {"fp32", "bf16", "fp16"} and all(len(c["step_times_s"]) == 2 for c in costs.values())
-    assert all(len(c["losses"]) == 3 for c in costs.values())
-    first = {mode: c["losses"][0] for mode, c in costs.items()}  # the same model and batch: agree to 16-bit precision
+    per_mode = costs.mode_costs(TinyCNN, images, labels, ["fp32", "bf16", "fp16"], steps=2)
+    assert set(per_mode) == {"fp32", "bf16", "fp16"} and all(len(c["step_times_s"]) == 2 for c in per_mode.values())
+    assert all(len(c["losses"]) == 3 for c in per_mode.values())
+    first = {mode: c["losses"][0] for mode, c in per_mode.items()}  # the same model and batch: agree to 16-bit precision
     assert abs(first["bf16"] - first["fp32"]) < 0.05 * first["fp32"] and abs(first["fp16"] - first["fp32"]) < 0.01 * first["fp32"]
-    assert costs["bf16"]["activation_bytes"] < costs["fp32"]["activation_bytes"]
-    assert costs["fp32"]["loss_scales"] == [] and len(costs["fp16"]["loss_scales"]) == 3
+    assert per_mode["bf16"]["activation_bytes"] < per_mode["fp32"]["activation_bytes"]
+    assert per_mode["fp32"]["loss_scales"] == [] and len(per_mode["fp16"]["loss_scales"]) == 3
 
 
 def test_fp16_keeps_one_grad_scaler_across_its_steps():
     images, labels = torch.randn(8, 3, 16, 16), torch.randint(10, (8,))
-    costs = precision.mode_costs(TinyCNN, images, labels, ["fp16"], steps=4, growth_interval=1)
-    scales = costs["fp16"]["loss_scales"]
+    per_mode = costs.mode_costs(TinyCNN, images, labels, ["fp16"], steps=4, growth_interval=1)
+    scales = per_mode["fp16"]["loss_scales"]
     assert scales[0] == 2.0**16  # GradScaler's default init_scale
     assert len(set(scales)) > 1, f"the loss scale never moved ({scales}): a fresh GradScaler every step?"
-    assert scales == precision.expected_scales(5, costs["fp16"]["skipped_steps"], 2.0**16, 1)
+    assert scales == precision.expected_scales(5, per_mode["fp16"]["skipped_steps"], 2.0**16, 1)
 
 
 def test_mode_costs_restore_the_tf32_settings():
@@ -122,7 +142,7 @@ def test_mode_costs_restore_the_tf32_settings():
     images, labels = torch.randn(4, 3, 16, 16), torch.randint(10, (4,))
     try:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, True
-        precision.mode_costs(TinyCNN, images, labels, ["tf32", "fp32"], steps=1)
+        costs.mode_costs(TinyCNN, images, labels, ["tf32", "fp32"], steps=1)
         assert (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) == (False, True)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
@@ -151,8 +171,8 @@ def _lab_on_rank(ctx, run_dir):
 def test_lab_writes_typed_records_that_read_back(tmp_path):
     summary = run_ranks(_lab_on_rank, world_size=2, args=(tmp_path,))[0]
     result = RunResult("mixed_precision", 2, tmp_path, 0, 0.0, summary, runs.read_records(tmp_path))
-    costs = result.of(ModeCost, rank=0)
-    assert [c.mode for c in costs] == ["fp32", "bf16", "fp16"] and all(len(c.losses) == 2 for c in costs)
+    rows = result.of(ModeCost, rank=0)
+    assert [c.mode for c in rows] == ["fp32", "bf16", "fp16"] and all(len(c.losses) == 2 for c in rows)
     assert [s.mode for s in result.of(SkippedMode, rank=1)] == ["tf32"]
     steps = result.of(AmpStep)
     assert [s.step for s in steps] == [0, 1, 2] * 2 and all(s.parameter_spread == 0.0 for s in steps)
@@ -164,6 +184,12 @@ def test_lab_writes_typed_records_that_read_back(tmp_path):
     for mine, theirs in zip(result.of(AmpStep, rank=0), result.of(AmpStep, rank=1)):
         assert mine.mean_loss == theirs.mean_loss == pytest.approx((mine.loss + theirs.loss) / 2)
     assert summary["micro_steps"] == 2 and set(summary["modes"]) == {"fp32", "bf16", "fp16"}
+    variants = {v.variant: v for v in result.of(AccumulationVariant, rank=0)}
+    assert list(variants) == list(under_ddp.ACCUMULATION_VARIANTS)
+    assert variants["correct"].allreduce_syncs == 1 and variants["correct"].gradient_gap < 0.05
+    assert variants["no no_sync"].allreduce_syncs == 2 and variants["no no_sync"].gradient_gap < 0.05
+    assert variants["no no_sync"].allreduced_bytes == 2 * variants["no no_sync"].gradient_bytes
+    assert variants["loss not divided by k"].gradient_gap == pytest.approx(1.0, abs=0.05)
 
 
 def test_cpu_modes_name_why_tf32_is_skipped():
@@ -216,6 +242,43 @@ def _accumulation_checks(ctx, mode: str, micro_steps: int, steps: int = 3):
     return checks
 
 
+def _variants(ctx, mode: str, micro_steps: int):
+    generator = torch.Generator().manual_seed(ctx.rank)
+    micro_batches = [(torch.randn(8, 3, 16, 16, generator=generator), torch.randint(10, (8,), generator=generator))
+                     for _ in range(micro_steps)]
+    return under_ddp.accumulation_variants(TinyCNN, micro_batches, ctx.device, mode)
+
+
+@pytest.mark.parametrize("mode", ["bf16", "fp16"])
+def test_the_two_accumulation_mistakes_show_in_the_probes(mode):
+    k = 3
+    for rows in run_ranks(_variants, world_size=2, args=(mode, k)):
+        by = {r["variant"]: r for r in rows}
+        assert by["correct"]["allreduce_syncs"] == 1 and by["correct"]["gradient_gap"] < 0.05
+        assert by["no no_sync"]["allreduce_syncs"] == k, "without no_sync every micro-batch all-reduces"
+        assert by["no no_sync"]["gradient_gap"] < 0.05, "yet the gradient is still the mean"
+        assert by["loss not divided by k"]["gradient_gap"] == pytest.approx(k - 1, abs=0.1), "k x the mean gradient"
+
+
+def test_underflow_starts_at_the_logits_and_bf16_is_coarser_per_element():
+    at_logits = precision.logit_gradient()
+    assert at_logits.abs().max() < 2.0**-25 < 2.0**16 * at_logits.abs().min()
+    lost = precision.underflow()
+    assert lost["bf16, no scaling"]["median_error"] > 5 * lost["fp16 + GradScaler"]["median_error"]
+
+
+def test_tf32_settings_survive_the_newer_api():
+    if not hasattr(torch.backends.cuda.matmul, "fp32_precision"):
+        pytest.skip("this torch has no fp32_precision API")
+    run_ranks(_set_new_tf32_api_and_read, world_size=1)  # in a child process: the setting sticks for the process
+
+
+def _set_new_tf32_api_and_read(ctx):
+    torch.backends.cuda.matmul.fp32_precision = "tf32"
+    settings = formats.tf32_settings()
+    assert settings["torch.backends.cuda.matmul.fp32_precision"] == "tf32" and "one API" in settings["note"]
+
+
 @pytest.mark.parametrize("mode", ["bf16", "fp16"])
 def test_accumulation_all_reduces_once_and_applies_the_mean_micro_batch_gradient(mode):
     for checks in run_ranks(_accumulation_checks, world_size=2, args=(mode, 3)):
@@ -242,17 +305,17 @@ def test_cuda_modes_report_peak_memory_and_timing():
     assert modes[0] == "fp32" and modes[-1] == "fp16" and set(modes) | set(skipped) == {"fp32", "tf32", "bf16", "fp16"}
     images, labels = torch.randn(32, 3, 16, 16, device=device), torch.randint(10, (32,), device=device)
     before = torch.backends.cuda.matmul.allow_tf32
-    costs = precision.mode_costs(TinyCNN, images, labels, modes, steps=2)
-    assert all(c["peak_memory_bytes"] > 0 and c["step_s"] > 0 for c in costs.values())
+    per_mode = costs.mode_costs(TinyCNN, images, labels, modes, steps=2)
+    assert all(c["peak_memory_bytes"] > 0 and c["step_s"] > 0 for c in per_mode.values())
     assert torch.backends.cuda.matmul.allow_tf32 is before  # mode_costs restores the tf32 setting
 
 
 @needs_gpu
 def test_cuda_tf32_matmul_is_coarser_and_restores_the_setting():
-    reason = precision.tf32_unavailable("cuda")
+    reason = formats.tf32_unavailable("cuda")
     if reason:
         pytest.skip(reason)
     before = torch.get_float32_matmul_precision()
-    matmul = precision.tf32_matmul("cuda", size=2048, repeats=3)
+    matmul = formats.tf32_matmul("cuda", size=2048, repeats=3)
     assert matmul["tf32"]["relative_error"] > 10 * matmul["fp32"]["relative_error"]
     assert torch.get_float32_matmul_precision() == before

@@ -18,7 +18,7 @@ from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
 from labsrc.lessons.dp_vs_ddp import sync
-from labsrc.lessons.mixed_precision import precision, under_ddp
+from labsrc.lessons.mixed_precision import costs, under_ddp
 from labsrc.training import benchmark, data
 from labsrc.training.models import build_model
 
@@ -136,6 +136,26 @@ class AmpStep(Record):
     GradScaler skipped the step."""
 
 
+@dataclass
+class AccumulationVariant(Record):
+    """One optimizer step of AMP + DDP + accumulation from the same weights: done right, or with one mistake."""
+
+    KIND: ClassVar[str] = "accumulation_variant"
+    variant: str
+    """correct, no no_sync, or loss not divided by k."""
+    micro_steps: int
+    """k, the micro-batches accumulated in the step."""
+    allreduce_syncs: int
+    """Backward passes of the step whose gradients DDP all-reduced."""
+    allreduced_bytes: int
+    """Bytes DDP handed to all-reduce during the step."""
+    gradient_bytes: int
+    """Bytes of the model's gradients."""
+    gradient_gap: float | None
+    """Largest gap between the step's gradient and the mean of the micro-batches' gradients, over the latter's
+    largest value (None where the GradScaler skipped the step)."""
+
+
 def modes_for(device: torch.device) -> tuple[list[str], dict[str, str]]:
     """The modes this device runs, and why the others are skipped."""
     if device.type != "cuda":
@@ -145,10 +165,12 @@ def modes_for(device: torch.device) -> tuple[list[str], dict[str, str]]:
         modes.append("tf32")
     else:
         skipped["tf32"] = "TF32 needs an Ampere or newer GPU (compute capability 8.0)"
-    if torch.cuda.is_bf16_supported():
+    # Ampere and newer compute in bf16. torch.cuda.is_bf16_supported() also says yes for older GPUs that only
+    # emulate it, slowly, so the compute capability decides here (ROCm GPUs: bf16, as torch says).
+    if torch.version.hip or torch.cuda.get_device_capability(device)[0] >= 8:
         modes.append("bf16")
     else:
-        skipped["bf16"] = "this GPU has no bf16 support"
+        skipped["bf16"] = "bf16 needs an Ampere or newer GPU (compute capability 8.0); older ones only emulate it"
     return modes + ["fp16"], skipped
 
 
@@ -211,10 +233,9 @@ def mixed_precision_lab(ctx, records, options: Options) -> dict:
     modes, skipped = modes_for(ctx.device)
     dataset = data.synthetic_images(profile.global_batch, profile.image_size, seed=options.seed)
     images, labels = (t.to(ctx.device) for t in dataset.tensors)
-    costs = precision.mode_costs(lambda: build_model(profile.model), images, labels, modes,
-                                       steps=options.timed_steps, seed=options.seed,
-                                       growth_interval=options.growth_interval)
-    for mode, cost in costs.items():
+    per_mode = costs.mode_costs(lambda: build_model(profile.model), images, labels, modes,
+                                steps=options.timed_steps, seed=options.seed, growth_interval=options.growth_interval)
+    for mode, cost in per_mode.items():
         records.write(ModeCost(mode=mode, **cost))
     for mode, reason in skipped.items():
         records.write(SkippedMode(mode=mode, reason=reason))
@@ -223,8 +244,15 @@ def mixed_precision_lab(ctx, records, options: Options) -> dict:
                                                     labels[:options.message_batch], mode, seed=options.seed)
         records.write(GradientBytes(mode=mode, **counted))
     amp_mode = amp_ddp_accumulation(ctx, records, profile, options)
+    first = data.synthetic_images(profile.num_samples, profile.image_size, seed=options.seed)
+    micro_batch = micro_batch_size(profile, ctx.world_size, options.micro_steps)
+    batches = iter(data.DeviceBatches(first, micro_batch, ctx, seed=options.seed))
+    micro_batches = [next(batches) for _ in range(options.micro_steps)]
+    for row in under_ddp.accumulation_variants(lambda: build_model(profile.model), micro_batches, ctx.device,
+                                               amp_mode, seed=options.seed):
+        records.write(AccumulationVariant(micro_steps=options.micro_steps, **row))
     return {"profile": profile.name, "model": profile.model, "batch": profile.global_batch,
-            "image_size": profile.image_size, "modes": costs, "skipped_modes": skipped,
+            "image_size": profile.image_size, "modes": per_mode, "skipped_modes": skipped,
             "micro_steps": options.micro_steps, "growth_interval": options.growth_interval, "amp_ddp_mode": amp_mode,
             "provenance": benchmark.provenance(ctx.device)}
 

@@ -1,9 +1,58 @@
-"""Figures of notebook 05 (mixed precision), drawn from measured results."""
+"""Figures of notebook 05 (mixed precision): the formats' ranges, gradients on fp16's number line, measured results."""
 from __future__ import annotations
 
 import math
 
 from labsrc.core.figures import bars, curves, new_axes
+
+
+def format_ranges(ranges: dict[str, dict], marks: dict[str, float] | None = None, ax=None):
+    """Each format's range on a log scale: subnormals light, normal numbers dark, from formats.format_ranges().
+
+    marks: {label: value} drawn as dashed vertical lines (a small gradient, a large activation).
+    """
+    ax = new_axes("What each format can hold", "magnitude (log scale)", "", ax)
+    for row, (name, r) in enumerate(ranges.items()):
+        ax.barh(row, r["smallest_normal"] - r["smallest_subnormal"], left=r["smallest_subnormal"], height=0.5,
+                color="#93c5fd", label="subnormals (fewer bits)" if row == 0 else None)
+        ax.barh(row, r["max"] - r["smallest_normal"], left=r["smallest_normal"], height=0.5, color="#1d4ed8",
+                label="normal numbers" if row == 0 else None)
+        ax.annotate(f"max {r['max']:.2g}", (r["max"] * 30, row), va="center", fontsize=8)
+    for index, (label, value) in enumerate((marks or {}).items()):  # labels in the gap above the last row
+        ax.axvline(value, color="#dc2626", linestyle="--", linewidth=1)
+        ax.text(value, len(ranges) - 1.5, f" {label} ", va="center", ha="right" if index % 2 == 0 else "left",
+                fontsize=8, color="#dc2626")
+    ax.set_xscale("log")
+    ax.set_xlim(1e-47, 1e55)
+    ax.set_ylim(len(ranges) - 0.4, -0.6)
+    ax.set_yticks(range(len(ranges)), [f"{name}\neps {r['eps']:.0e}" for name, r in ranges.items()])
+    ax.legend(fontsize=8, loc="lower left")
+    ax.figure.tight_layout()
+    return ax
+
+
+def gradients_on_fp16_line(gradients, scale: float, fp16: dict, ax=None, what: str = "Gradients of a small loss"):
+    """Histogram of |gradient| (fp32, non-zero) and of |gradient| x scale, over fp16's zones from format_ranges().
+
+    gradients: a tensor or a list of tensors; what: the title's start.
+    """
+    import torch
+    gradients = [gradients] if isinstance(gradients, torch.Tensor) else gradients
+    values = torch.cat([g.reshape(-1) for g in gradients]).abs()
+    values = values[values > 0].double()
+    ax = new_axes(f"{what}, and the same x {scale:g}", "|gradient| (log scale)", "elements", ax)
+    low, high = float(values.min()) / 4, float(values.max() * scale) * 4
+    ax.axvspan(low, fp16["smallest_subnormal"] / 2, color="#fecaca", label="fp16 rounds to 0")
+    ax.axvspan(fp16["smallest_subnormal"] / 2, fp16["smallest_normal"], color="#fde68a", label="fp16 subnormals")
+    ax.axvspan(fp16["smallest_normal"], high, color="#bbf7d0", label="fp16 normal numbers")
+    bins = torch.logspace(torch.log10(torch.tensor(low)).item(), torch.log10(torch.tensor(high)).item(), 60).tolist()
+    ax.hist(values.tolist(), bins=bins, color="#1d4ed8", alpha=0.8, label="gradients")
+    ax.hist((values * scale).tolist(), bins=bins, color="#15803d", alpha=0.8, label=f"x {scale:g} (loss scale)")
+    ax.set_xscale("log")
+    ax.set_xlim(low, high)
+    ax.legend(fontsize=8, loc="upper center")  # the middle of fp16's line, between the two histograms
+    ax.figure.tight_layout()
+    return ax
 
 
 def scale_trace(trace: list[dict], expected: list[float] | None = None, ax=None):
@@ -36,28 +85,13 @@ def mode_costs(rows: list, ax_time=None, ax_bytes=None):
     import matplotlib.pyplot as plt
     if ax_time is None or ax_bytes is None:
         _, (ax_time, ax_bytes) = plt.subplots(1, 2, figsize=(10, 3.4))
-    bars({r.mode: 1000 * r.step_s for r in rows}, "Step time (median)", "ms", ax=ax_time)
+    fp32 = rows[0].step_s
+    bars({f"{r.mode}\n{r.step_s / fp32:.2g}x fp32": 1000 * r.step_s for r in rows}, "Step time (median, log scale)",
+         "ms", ax=ax_time, annotate="{:,.4g} ms")
+    ax_time.set_yscale("log")  # a CPU without fast fp16 kernels can be 50x slower: a linear axis hides the rest
     bars({r.mode: r.activation_bytes / 2**20 for r in rows}, "Kept for backward", "MiB", ax=ax_bytes)
+    ax_time.figure.tight_layout()
     return ax_time, ax_bytes
-
-
-def beside_reference(mine: dict, references: list[dict], ax=None):
-    """Step time per mode: this machine's beside each reference GPU run's (summary["modes"] of each)."""
-    import matplotlib.pyplot as plt
-    runs = {"yours": mine, **{r["provenance"].get("device_name", f"reference {i}"): r["modes"]
-                              for i, r in enumerate(references)}}
-    modes = list(dict.fromkeys(m for run in runs.values() for m in run))
-    ax = new_axes("Step time per mode: yours beside GPUs", "", "ms (log scale)", ax, figsize=(8, 3.6))
-    width = 0.8 / len(runs)
-    palette = plt.get_cmap("tab10")
-    for index, (name, run) in enumerate(runs.items()):
-        xs = [m + index * width for m, mode in enumerate(modes) if mode in run]
-        ax.bar(xs, [1000 * run[mode]["step_s"] for mode in modes if mode in run], width, label=name,
-               color=palette(index))
-    ax.set_xticks([m + 0.4 - width / 2 for m in range(len(modes))], modes)
-    ax.set_yscale("log")
-    ax.legend(fontsize=8)
-    return ax
 
 
 def amp_ddp_losses(steps: list, ax=None):

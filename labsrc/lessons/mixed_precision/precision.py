@@ -1,38 +1,9 @@
-"""Number formats and mixed precision measured: ranges, underflow, loss scaling, unscale_ before clipping, bytes and time."""
+"""Loss scaling measured: fp16 underflow cured by GradScaler, the loss-scale trace, unscale_ before clipping."""
 from __future__ import annotations
-
-import contextlib
-import statistics
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-
-from labsrc.training import loop
-from labsrc.training.loop import autocast
-from labsrc.training.timing import timed
-
-FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def format_table() -> dict[str, dict]:
-    """Range and precision of each format, and three numbers stored in it that show the difference."""
-    table = {}
-    for name, dtype in FORMATS.items():
-        info = torch.finfo(dtype)
-        table[name] = {
-            "bits": info.bits, "max": info.max, "smallest_normal": info.tiny, "eps": info.eps,
-            "1 + 2^-9": torch.tensor(1 + 2**-9, dtype=dtype).item(),  # needs 9 mantissa bits
-            "70000": torch.tensor(70000.0, dtype=dtype).item(),  # fp16 tops out at 65504
-            "1e-8": torch.tensor(1e-8, dtype=dtype).item(),  # below fp16's smallest subnormal (6e-8)
-        }
-    return table
-
-
-def rounding_error(dtype: torch.dtype, size: int = 4096, seed: int = 0) -> float:
-    """Mean relative error of storing size standard-normal fp32 values in dtype (precision, measured)."""
-    values = torch.randn(size, generator=torch.Generator().manual_seed(seed))
-    return ((values.to(dtype).float() - values).abs() / values.abs()).mean().item()
 
 
 def small_model(seed: int = 0, width: int = 64) -> nn.Module:
@@ -79,8 +50,12 @@ def small_loss_gradients(dtype: torch.dtype | None, loss_factor: float, scaler_s
 def underflow(loss_factor: float = 1e-6, scale: float = 2.0**16, device="cpu") -> dict[str, dict]:
     """Per mode: fraction of gradient elements exactly zero, of fp32's non-zero ones lost, and the error.
 
+    relative_error: per parameter tensor, the largest |error| over that tensor's largest fp32 gradient; the
+    largest over the tensors. median_error: the median over fp32's non-zero elements of |error| / |value|.
+
     A small loss (loss_factor) makes small gradients, as late in training. Under fp16 autocast the
-    backward of each fp16 matmul takes its incoming gradient in fp16, where anything below 6e-8 is 0.
+    backward of each fp16 matmul takes its incoming gradient in fp16, where anything below about
+    3e-8 (half of fp16's smallest subnormal, 2^-24) rounds to 0.
     GradScaler's scale (2^16 by default) lifts the gradients into range; bf16 has fp32's range.
     """
     reference = small_loss_gradients(None, loss_factor, device=device)
@@ -94,9 +69,25 @@ def underflow(loss_factor: float = 1e-6, scale: float = 2.0**16, device="cpu") -
         zeros = sum(int((g == 0).sum()) for g in grads)
         lost = sum(int(((g == 0) & (r != 0)).sum()) for g, r in zip(grads, reference))
         error = max(((g - r).abs().max() / r.abs().max()).item() for g, r in zip(grads, reference))
+        # per element: |error| / |fp32 value|, over fp32's non-zero elements; the median is the typical element
+        each = torch.cat([((g - r).abs() / r.abs())[r != 0] for g, r in zip(grads, reference)])
         results[name] = {"zero_fraction": zeros / total, "lost_fraction": lost / alive, "relative_error": error,
-                         "elements": total}
+                         "median_error": each.median().item(), "elements": total}
     return results
+
+
+def logit_gradient(loss_factor: float = 1e-6, device="cpu") -> torch.Tensor:
+    """The fp32 gradient that arrives at the logits (the last layer's output) from loss_factor x cross-entropy.
+
+    Under fp16 autocast the logits are fp16, so this is the first gradient backward stores in fp16: if it
+    rounds to 0 there, every gradient further back is 0 too.
+    """
+    device = torch.device(device)
+    images, labels = toy_batch(device=device)
+    logits = small_model().to(device)(images)
+    logits.retain_grad()
+    (F.cross_entropy(logits, labels) * loss_factor).backward()
+    return logits.grad.detach()
 
 
 def expected_scales(steps: int, overflow_steps, init_scale: float, growth_interval: int,
@@ -133,7 +124,12 @@ def scaler_trace(steps: int = 24, overflow_steps: tuple = (7, 15), growth_interv
             images = images * 1e5  # activations beyond fp16's 65504: inf in forward, inf gradients
         used = scaler.get_scale()
         before = [p.detach().clone() for p in model.parameters()]
-        loss = loop.step(model, optimizer, images, labels, "fp16", scaler)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.amp.autocast(device_type=device.type, dtype=torch.float16):
+            loss = F.cross_entropy(model(images), labels)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)  # skipped when a gradient holds inf or NaN
+        scaler.update()  # x 0.5 after an overflow, x 2 after growth_interval clean steps
         changed = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
         trace.append({"step": index, "scale": used, "scale_after": scaler.get_scale(), "parameters_changed": changed,
                       "skipped": scaler.get_scale() < used, "loss": loss.item(),
@@ -198,136 +194,3 @@ def _unscaled_gradient_norm(device) -> float:
         loss = F.cross_entropy(model(images), labels)
     loss.backward()
     return gradient_norm(model)
-
-
-def tf32_settings() -> dict[str, object]:
-    """The process's TF32 switches as torch reports them (defaults since torch 1.12: matmul False, cuDNN True)."""
-    settings = {"torch.backends.cuda.matmul.allow_tf32": torch.backends.cuda.matmul.allow_tf32,
-                "torch.backends.cudnn.allow_tf32": torch.backends.cudnn.allow_tf32,
-                "torch.get_float32_matmul_precision()": torch.get_float32_matmul_precision()}
-    if hasattr(torch.backends.cuda.matmul, "fp32_precision"):  # the newer spelling, where this torch has it
-        settings["torch.backends.cuda.matmul.fp32_precision"] = torch.backends.cuda.matmul.fp32_precision
-    return settings
-
-
-def tf32_unavailable(device) -> str | None:
-    """Why TF32 cannot be measured on device (None: it can)."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return "TF32 is a mode of NVIDIA tensor cores; this device is not a CUDA GPU"
-    if torch.cuda.get_device_capability(device)[0] < 8:
-        return "TF32 needs an Ampere or newer GPU (compute capability 8.0); this one is older"
-    return None
-
-
-@contextlib.contextmanager
-def float32_matmul_precision(precision: str):
-    """torch.set_float32_matmul_precision(precision) inside the block ("highest": no TF32, "high": TF32),
-    the previous setting restored after."""
-    previous = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
-
-
-def tf32_matmul(device, size: int = 4096, repeats: int = 10, seed: int = 0) -> dict[str, dict]:
-    """An fp32 (size, size) @ (size, size) matmul with TF32 off ("highest") and on ("high").
-
-    Per setting: the largest error against the float64 product, relative to its mean magnitude, and the
-    median seconds of repeats matmuls (after one warm-up), timed by the course's device-synchronised timer.
-    """
-    device = torch.device(device)
-    generator = torch.Generator().manual_seed(seed)
-    left, right = (torch.randn(size, size, generator=generator, dtype=torch.float64).to(device) for _ in range(2))
-    exact, left32, right32 = left @ right, left.float(), right.float()
-    results = {}
-    for name, precision in (("fp32", "highest"), ("tf32", "high")):
-        with float32_matmul_precision(precision):
-            product = left32 @ right32
-            seconds = []
-            for _ in range(repeats):
-                with timed(device) as timer:
-                    left32 @ right32
-                seconds.append(timer["s"])
-        error = ((product.double() - exact).abs().max() / exact.abs().mean()).item()
-        results[name] = {"relative_error": error, "step_s": statistics.median(seconds)}
-    return results
-
-
-def saved_activation_bytes(model: nn.Module, images: torch.Tensor, labels: torch.Tensor,
-                           precision: str) -> dict[str, int]:
-    """Bytes autograd keeps for backward during one forward in this precision, by dtype, with the
-    "total" bytes and the number of "elements" saved.
-
-    images: (N, C, H, W); labels: (N,). Parameters saved for backward are counted too (autocast keeps
-    16-bit copies of them), as they occupy memory until backward just as activations do.
-    """
-    by_dtype: dict[str, int] = {}
-    elements = 0
-
-    def pack(tensor):
-        nonlocal elements
-        key = str(tensor.dtype).replace("torch.", "")
-        by_dtype[key] = by_dtype.get(key, 0) + tensor.numel() * tensor.element_size()
-        elements += tensor.numel()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast(images.device, precision):
-        loss = F.cross_entropy(model(images), labels)
-    loss.backward()
-    model.zero_grad(set_to_none=True)
-    return {**by_dtype, "total": sum(by_dtype.values()), "elements": elements}
-
-
-def mode_cost(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mode: str, steps: int,
-              growth_interval: int = 2000) -> dict:
-    """Train model on one batch for 1 + steps steps (the first a warm-up) with the course's step in this mode.
-
-    images: (N, C, H, W) and labels: (N,) on the model's device. fp16 gets ONE GradScaler for all its
-    steps, so its loss scale adapts from step to step (growth_interval: GradScaler's, 2000 by default).
-    Returns per-step seconds (warm-up dropped), losses, and for fp16 the loss scale each step used and
-    the steps whose parameters did not change (skipped), and on a GPU the peak memory allocated.
-    TF32 is on for mode "tf32" only (matmuls and cuDNN convolutions), off otherwise, restored after.
-    """
-    device = images.device
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    scaler = torch.amp.GradScaler(device.type, growth_interval=growth_interval) if mode == "fp16" else None
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-    seconds, losses, scales, skipped = [], [], [], []
-    with loop.tf32(mode == "tf32"):
-        for index in range(steps + 1):
-            before = [p.detach().clone() for p in model.parameters()] if scaler is not None else []
-            if scaler is not None:
-                scales.append(scaler.get_scale())
-            with timed(device) as timer:
-                losses.append(loop.step(model, optimizer, images, labels, mode, scaler))
-            seconds.append(timer["s"])
-            if scaler is not None and all(torch.equal(b, p) for b, p in zip(before, model.parameters())):
-                skipped.append(index)
-    timed_s = seconds[1:]
-    return {"step_s": statistics.median(timed_s), "step_times_s": timed_s,
-            "losses": torch.stack(losses).float().tolist(), "loss_scales": scales, "skipped_steps": skipped,
-            "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None}
-
-
-def mode_costs(make_model, images, labels, modes, steps: int = 5, seed: int = 0,
-               growth_interval: int = 2000) -> dict[str, dict]:
-    """Per precision mode, the same model (same seed) trained on one batch by mode_cost, plus the bytes
-    autograd keeps for backward (total, elements, by dtype).
-
-    images: (N, C, H, W) and labels: (N,) on the device to measure.
-    """
-    results = {}
-    for mode in modes:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = make_model().to(images.device)
-        cost = mode_cost(model, images, labels, mode, steps, growth_interval)
-        saved = saved_activation_bytes(model, images, labels, mode)
-        results[mode] = {**cost, "activation_bytes": saved.pop("total"), "activation_elements": saved.pop("elements"),
-                         "activation_bytes_by_dtype": saved}
-    return results

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 import torch.distributed as dist
@@ -127,16 +128,17 @@ def accumulation_step(model: DDP, optimizer, scaler, micro_batches, device: torc
 
     The first k-1 run forward and backward inside model.no_sync() (gradients pile up locally); the
     last one syncs, so DDP all-reduces the sum once. Each loss is divided by k, so the step uses the
-    mean gradient. Returns this rank's loss over its k micro-batches (a 0-dim tensor). The course's
-    loop.step clears gradients before its backward, so accumulating micro-batches needs this loop.
+    mean gradient. Returns this rank's loss over its k micro-batches (a 0-dim tensor). mode: "bf16" or
+    "fp16" (fp16 needs an enabled GradScaler; bf16 a disabled one).
     """
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[mode]
     optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=device)
     count = len(micro_batches)
     for index, (images, labels) in enumerate(micro_batches):
         sync = contextlib.nullcontext() if index == count - 1 else model.no_sync()
         with sync:  # forward too: DDP decides in forward whether this backward all-reduces
-            with autocast(device, mode):
+            with torch.autocast(device_type=device.type, dtype=dtype):
                 loss = F.cross_entropy(model(images), labels) / count
             scaler.scale(loss).backward()
         total += loss.detach().float()
@@ -178,3 +180,51 @@ def gradient_gap(model: torch.nn.Module, reference: torch.Tensor) -> float | Non
         return None
     return ((grads - reference).abs().max() / reference.abs().max()).item()
 
+
+
+ACCUMULATION_VARIANTS = ("correct", "no no_sync", "loss not divided by k")
+"""accumulation_step itself, and its two mistakes that raise no error."""
+
+
+def _mistaken_step(model: DDP, optimizer, scaler, micro_batches, device: torch.device, mode: str, variant: str):
+    """accumulation_step with one mistake: "no no_sync" (every backward all-reduces) or "loss not divided by k"."""
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[mode]
+    optimizer.zero_grad(set_to_none=True)
+    count = len(micro_batches)
+    for index, (images, labels) in enumerate(micro_batches):
+        quiet = index < count - 1 and variant != "no no_sync"
+        with model.no_sync() if quiet else contextlib.nullcontext():
+            with torch.autocast(device_type=device.type, dtype=dtype):
+                loss = F.cross_entropy(model(images), labels)
+                loss = loss if variant == "loss not divided by k" else loss / count
+            scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def accumulation_variants(make_model, micro_batches, device: torch.device, mode: str, seed: int = 0) -> list[dict]:
+    """One optimizer step over the same micro-batches from the same weights, per ACCUMULATION_VARIANTS.
+
+    Call on every rank of a process group. Per variant: the backward passes that all-reduced, the bytes handed
+    to all-reduce (a CountingHook), the model's gradient bytes, and gradient_gap against the mean of the
+    micro-batches' gradients (None where the GradScaler skipped the step).
+    """
+    rows = []
+    for variant in ACCUMULATION_VARIANTS:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = DDP(make_model().to(device))
+        counter = CountingHook()
+        model.register_comm_hook(None, counter.hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler(device.type, enabled=mode == "fp16")
+        reference = micro_batch_mean_gradient(copy.deepcopy(model.module), micro_batches, device, mode)
+        if variant == "correct":
+            accumulation_step(model, optimizer, scaler, micro_batches, device, mode)
+        else:
+            _mistaken_step(model, optimizer, scaler, micro_batches, device, mode, variant)
+        rows.append({"variant": variant, "allreduce_syncs": counter.syncs,
+                     "allreduced_bytes": sum(counter.bytes_by_dtype.values()),
+                     "gradient_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+                     "gradient_gap": gradient_gap(model, reference)})
+    return rows
