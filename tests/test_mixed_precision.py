@@ -319,3 +319,17 @@ def test_cuda_tf32_matmul_is_coarser_and_restores_the_setting():
     matmul = formats.tf32_matmul("cuda", size=2048, repeats=3)
     assert matmul["tf32"]["relative_error"] > 10 * matmul["fp32"]["relative_error"]
     assert torch.get_float32_matmul_precision() == before
+
+
+def test_the_tf32_switch_works_after_the_newer_fp32_precision_api_was_used():
+    """torch refuses to read allow_tf32 once fp32_precision was set in a process; loop.tf32 then sets that API
+    (and puts it back). In a child process: the refusal lasts for the whole process."""
+    import subprocess
+    import sys
+    code = ("import torch\nfrom labsrc.training.loop import tf32\n"
+            "torch.backends.cuda.matmul.fp32_precision = 'ieee'\n"
+            "with tf32(True):\n    inside = torch.backends.cuda.matmul.fp32_precision\n"
+            "print(inside, torch.backends.cuda.matmul.fp32_precision)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["tf32", "ieee"]

@@ -58,12 +58,31 @@ def tf32(enabled: bool):
 
     Only Ampere and newer NVIDIA GPUs have TF32; elsewhere the flags change nothing.
     """
-    previous = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    try:
+        previous = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    except RuntimeError:  # the newer fp32_precision API was used in this process: torch then refuses the old flags
+        with _tf32_by_precision(enabled):
+            yield
+        return
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
     try:
         yield
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
+@contextmanager
+def _tf32_by_precision(enabled: bool):
+    """tf32() through torch's fp32_precision settings, for a process that has used them (torch mixes no APIs)."""
+    settings = (torch.backends.cuda.matmul, torch.backends.cudnn.conv)
+    previous = [setting.fp32_precision for setting in settings]
+    for setting in settings:
+        setting.fp32_precision = "tf32" if enabled else "ieee"
+    try:
+        yield
+    finally:
+        for setting, value in zip(settings, previous):
+            setting.fp32_precision = value
 
 
 def step(model: nn.Module, optimizer: torch.optim.Optimizer | None, images: torch.Tensor, labels: torch.Tensor,
