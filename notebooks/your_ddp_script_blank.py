@@ -1,18 +1,14 @@
-"""Your own DDP training script, from a blank page (notebook 01b): write main() and whatever it calls.
+"""Your own DDP training script from a blank page (notebook 01b): write main() and whatever it calls.
 
-    torchrun --nproc-per-node=2 notebooks/your_ddp_script_blank.py --report-dir /tmp/ddp --checkpoint /tmp/ddp/model.pt
+    torchrun --nproc-per-node=2 notebooks/your_ddp_script_blank.py --checkpoint /tmp/ddp/model.pt
 
-The same task as your_ddp_script.py without its TODO lines: every rank trains the given model on its shard of
-the given dataset with DistributedDataParallel; rank 0 prints the metrics all-reduced over the ranks and writes
-the checkpoint, which every rank then reads back. With --report-dir each rank also writes rank<r>.json
-(numbers for the course's checker, which checks this file as it checks your_ddp_script.py).
+The same task as your_ddp_script.py without its outline. Every rank trains the given model on its own shard of
+the given dataset with DistributedDataParallel. Rank 0 prints the loss over all ranks' samples each epoch and
+writes the checkpoint; then every rank reads it back.
 """
 import argparse
-import atexit
 import datetime
-import json
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -21,21 +17,20 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-SEED = 0  # the same initial weights on every rank (DDP also broadcasts rank 0's at wrapping)
-DATA_SEED = 1234  # the generated dataset: the same on every rank, so ranks differ only in their shard
-DATASET_SIZE = 240  # splits evenly over 1, 2, 3, 4, 5, 6 and 8 ranks
+SEED = 0  # the shuffle's seed and the first weights: the same on every rank
+DATA_SEED = 1234  # the generated dataset: the same on every rank
+DATASET_SIZE = 240  # splits evenly over 1 to 6 and 8 ranks
 FEATURES, HIDDEN, CLASSES = 16, 32, 4
-BATCH_PER_RANK = 8  # samples per rank per step: global batch = BATCH_PER_RANK x world size
+BATCH_PER_RANK = 8  # the global batch is BATCH_PER_RANK x world size
 LEARNING_RATE = 0.2
 EPOCHS = 3
-TIMEOUT = datetime.timedelta(seconds=60)  # every collective gives up after this instead of hanging
-FAILURE_ENV = "LABSRC_DDP_SCRIPT_FAIL"  # the checker sets it to a folder: describe() then raises (a failure run)
+TIMEOUT = datetime.timedelta(seconds=60)  # a collective that waits longer fails instead of hanging
 
 
-# ---- given: data, model, optimizer, and the report the course's checker reads ----------------------------
+# ---- given: data, model, optimizer, arguments ---------------------------------------------------------------
 
 def make_dataset() -> TensorDataset:
-    """DATASET_SIZE samples: features (N, FEATURES) ~ N(0, 1), labels (N,) in [0, CLASSES) from a fixed linear rule."""
+    """DATASET_SIZE samples of FEATURES numbers, each labelled with one of CLASSES by a fixed rule."""
     generator = torch.Generator().manual_seed(DATA_SEED)
     features = torch.randn(DATASET_SIZE, FEATURES, generator=generator)
     teacher = torch.randn(FEATURES, CLASSES, generator=generator)
@@ -43,7 +38,7 @@ def make_dataset() -> TensorDataset:
 
 
 def make_model() -> nn.Module:
-    """(batch, FEATURES) -> (batch, CLASSES) logits; the same weights wherever it is built after the seed."""
+    """(batch, FEATURES) -> (batch, CLASSES); the same first weights on every rank."""
     torch.manual_seed(SEED)
     return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
 
@@ -52,89 +47,31 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
 
 
-def parameter_checksum(state: dict) -> float:
-    """One number for a state_dict: the float64 sum of every tensor (equal states give equal sums)."""
-    return float(sum(tensor.detach().double().sum().item() for tensor in state.values()))
-
-
-def note(report: dict, event: str) -> None:
-    """Note that `event` happened on this rank now ('saved' after torch.save, 'loading' before torch.load).
-
-    'saved' first pauses half a second, as a large checkpoint would take to write: a rank that reads without
-    waiting for the barrier then reads before 'saved', every time, instead of winning a race by luck.
-    """
-    if event == "saved":
-        time.sleep(0.5)
-    report["events"].append([event, time.time()])
-
-
-def group_timeout_s() -> float | None:
-    """The default process group's collective timeout in seconds, read from its backend's options (a private
-    attribute: None on a torch that does not have it)."""
-    try:
-        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
-        return dist.group.WORLD._get_backend(device).options._timeout.total_seconds()
-    except (AttributeError, RuntimeError):
-        return None
-
-
-class InjectedFailure(RuntimeError):
-    """Raised on purpose by describe() in the checker's failure run."""
-
-
-def describe(report: dict, model: nn.Module) -> None:
-    """What this rank's process group, device and model are, seen from inside (call before destroying the group).
-
-    In the checker's failure run (FAILURE_ENV set) it then raises InjectedFailure, and the report is written
-    when the process exits: it says whether the group was destroyed by then, i.e. whether that is in a finally.
-    """
-    report.update(backend=dist.get_backend(), world_size=dist.get_world_size(), group_timeout_s=group_timeout_s(),
-                  local_rank=int(os.environ["LOCAL_RANK"]), wrapped_in_ddp=isinstance(model, DistributedDataParallel),
-                  device_ids=getattr(model, "device_ids", None),
-                  cuda_device=torch.cuda.current_device() if torch.cuda.is_available() else None,
-                  parameter_checksum=parameter_checksum(getattr(model, "module", model).state_dict()))
-    if os.environ.get(FAILURE_ENV):
-        atexit.register(write_report, report, os.environ[FAILURE_ENV])
-        raise InjectedFailure(f"raised on purpose ({FAILURE_ENV} is set): is the group destroyed in a finally?")
-
-
-def note_loaded(report: dict, state: dict) -> None:
-    """Note what this rank's torch.load gave back: the state's checksum and the device its tensors are on."""
-    report["checkpoint_checksum"] = parameter_checksum(state)
-    report["loaded_device"] = str(next(iter(state.values())).device)
-
-
-def write_report(report: dict, folder) -> None:
-    """rank<r>.json in `folder` (when given), noting whether the process group was destroyed by now."""
-    if folder:
-        report["group_destroyed"] = not dist.is_initialized()
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        Path(folder, f"rank{report['rank']}.json").write_text(json.dumps(report))
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default=None, help="nccl or gloo; default: nccl when every rank has a GPU")
+    parser.add_argument("--backend", default=None, help="nccl or gloo; default: nccl when each rank has a GPU")
     parser.add_argument("--checkpoint", default="checkpoint.pt", help="where rank 0 saves the model")
-    parser.add_argument("--report-dir", default=None, help="where each rank writes rank<r>.json")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    Path(args.checkpoint).parent.mkdir(parents=True, exist_ok=True)  # torch.save makes no folders
+    return args
 
 
-# ---- the distributed part: yours to write, all of it ------------------------------------------------------
+# ---- the distributed part: yours, all of it -----------------------------------------------------------------
 
-# What the checker reads from each rank (the given helpers write it):
-#   report = {"rank": RANK, "epochs": [], "events": []}; after each of the EPOCHS epochs append
-#   {"epoch": e, "local_loss": this rank's mean loss over its samples, "loss": the mean over every rank's samples,
-#    "samples": how many samples all ranks trained on}; only rank 0 prints (one line per epoch);
-#   describe(report, model) once training is done, before the checkpoint; note(report, "saved") after rank 0's
-#   torch.save, note(report, "loading") before each rank's torch.load, note_loaded(report, state) after it;
-#   write_report(report, args.report_dir) last of all, once the process group is gone.
+# What the checker watches while your script runs (it reads nothing else):
+# - the process group, the device, the DistributedSampler and its order each epoch, the DDP wrapper;
+# - once per epoch, one dist.all_reduce of a float64 tensor [summed loss, sample count];
+# - the number rank 0 prints each epoch: that sum divided by that count, with 4 decimals or more;
+# - rank 0's torch.save of the unwrapped model's state_dict to args.checkpoint, then each rank's torch.load of it;
+# - whether the process group is gone when the process exits, also when training raised.
 # Keep the given data, model, optimizer and constants: the checker compares your run with one process using them.
+# On a machine without GPUs, the GPU each rank picks cannot be seen. Write it as
+# choose_device(local_rank, backend) -> (backend, device), as in your_ddp_script.py, to have it tried on pretend GPUs.
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    raise NotImplementedError("write the whole DDP script: process group, device, sampler, DDP, training, "
-                              "metrics, checkpoint, clean exit")
+    raise NotImplementedError("write the whole DDP script: device, process group, sampler, DDP, training, "
+                              "metric, checkpoint, clean exit")
 
 
 if __name__ == "__main__":

@@ -1,17 +1,11 @@
-"""Reference solution of notebook 01b: a whole DDP training script, launched by path with torchrun.
+"""A whole DDP training script, the reference for notebook 01b. Every rank trains one small classifier on its
+own shard of the data; DDP keeps the ranks' weights equal.
 
-    torchrun --nproc-per-node=2 solutions/ddp_script.py --report-dir /tmp/ddp --checkpoint /tmp/ddp/model.pt
-
-Every rank trains the same small classifier on its shard of a generated dataset; gradients are averaged by
-DDP; rank 0 prints the metrics all-reduced over the ranks and writes the checkpoint, which every rank then
-reads back. With --report-dir each rank also writes rank<r>.json (numbers for the course's checker).
+    torchrun --nproc-per-node=2 solutions/ddp_script.py --checkpoint /tmp/ddp/model.pt
 """
 import argparse
-import atexit
 import datetime
-import json
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -20,21 +14,20 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-SEED = 0  # the same initial weights on every rank (DDP also broadcasts rank 0's at wrapping)
-DATA_SEED = 1234  # the generated dataset: the same on every rank, so ranks differ only in their shard
-DATASET_SIZE = 240  # splits evenly over 1, 2, 3, 4, 5, 6 and 8 ranks
+SEED = 0  # the shuffle's seed and the first weights: the same on every rank
+DATA_SEED = 1234  # the generated dataset: the same on every rank
+DATASET_SIZE = 240  # splits evenly over 1 to 6 and 8 ranks
 FEATURES, HIDDEN, CLASSES = 16, 32, 4
-BATCH_PER_RANK = 8  # samples per rank per step: global batch = BATCH_PER_RANK x world size
+BATCH_PER_RANK = 8  # the global batch is BATCH_PER_RANK x world size
 LEARNING_RATE = 0.2
 EPOCHS = 3
-TIMEOUT = datetime.timedelta(seconds=60)  # every collective gives up after this instead of hanging
-FAILURE_ENV = "LABSRC_DDP_SCRIPT_FAIL"  # the checker sets it to a folder: describe() then raises (a failure run)
+TIMEOUT = datetime.timedelta(seconds=60)  # a collective that waits longer fails instead of hanging
 
 
-# ---- given: data, model, optimizer, and the report the course's checker reads ----------------------------
+# ---- given: data, model, optimizer, arguments ---------------------------------------------------------------
 
 def make_dataset() -> TensorDataset:
-    """DATASET_SIZE samples: features (N, FEATURES) ~ N(0, 1), labels (N,) in [0, CLASSES) from a fixed linear rule."""
+    """DATASET_SIZE samples of FEATURES numbers, each labelled with one of CLASSES by a fixed rule."""
     generator = torch.Generator().manual_seed(DATA_SEED)
     features = torch.randn(DATASET_SIZE, FEATURES, generator=generator)
     teacher = torch.randn(FEATURES, CLASSES, generator=generator)
@@ -42,7 +35,7 @@ def make_dataset() -> TensorDataset:
 
 
 def make_model() -> nn.Module:
-    """(batch, FEATURES) -> (batch, CLASSES) logits; the same weights wherever it is built after the seed."""
+    """(batch, FEATURES) -> (batch, CLASSES); the same first weights on every rank."""
     torch.manual_seed(SEED)
     return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, CLASSES))
 
@@ -51,142 +44,85 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
 
 
-def parameter_checksum(state: dict) -> float:
-    """One number for a state_dict: the float64 sum of every tensor (equal states give equal sums)."""
-    return float(sum(tensor.detach().double().sum().item() for tensor in state.values()))
-
-
-def note(report: dict, event: str) -> None:
-    """Note that `event` happened on this rank now ('saved' after torch.save, 'loading' before torch.load).
-
-    'saved' first pauses half a second, as a large checkpoint would take to write: a rank that reads without
-    waiting for the barrier then reads before 'saved', every time, instead of winning a race by luck.
-    """
-    if event == "saved":
-        time.sleep(0.5)
-    report["events"].append([event, time.time()])
-
-
-def group_timeout_s() -> float | None:
-    """The default process group's collective timeout in seconds, read from its backend's options (a private
-    attribute: None on a torch that does not have it)."""
-    try:
-        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
-        return dist.group.WORLD._get_backend(device).options._timeout.total_seconds()
-    except (AttributeError, RuntimeError):
-        return None
-
-
-class InjectedFailure(RuntimeError):
-    """Raised on purpose by describe() in the checker's failure run."""
-
-
-def describe(report: dict, model: nn.Module) -> None:
-    """What this rank's process group, device and model are, seen from inside (call before destroying the group).
-
-    In the checker's failure run (FAILURE_ENV set) it then raises InjectedFailure, and the report is written
-    when the process exits: it says whether the group was destroyed by then, i.e. whether that is in a finally.
-    """
-    report.update(backend=dist.get_backend(), world_size=dist.get_world_size(), group_timeout_s=group_timeout_s(),
-                  local_rank=int(os.environ["LOCAL_RANK"]), wrapped_in_ddp=isinstance(model, DistributedDataParallel),
-                  device_ids=getattr(model, "device_ids", None),
-                  cuda_device=torch.cuda.current_device() if torch.cuda.is_available() else None,
-                  parameter_checksum=parameter_checksum(getattr(model, "module", model).state_dict()))
-    if os.environ.get(FAILURE_ENV):
-        atexit.register(write_report, report, os.environ[FAILURE_ENV])
-        raise InjectedFailure(f"raised on purpose ({FAILURE_ENV} is set): is the group destroyed in a finally?")
-
-
-def note_loaded(report: dict, state: dict) -> None:
-    """Note what this rank's torch.load gave back: the state's checksum and the device its tensors are on."""
-    report["checkpoint_checksum"] = parameter_checksum(state)
-    report["loaded_device"] = str(next(iter(state.values())).device)
-
-
-def write_report(report: dict, folder) -> None:
-    """rank<r>.json in `folder` (when given), noting whether the process group was destroyed by now."""
-    if folder:
-        report["group_destroyed"] = not dist.is_initialized()
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        Path(folder, f"rank{report['rank']}.json").write_text(json.dumps(report))
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default=None, help="nccl or gloo; default: nccl when every rank has a GPU")
+    parser.add_argument("--backend", default=None, help="nccl or gloo; default: nccl when each rank has a GPU")
     parser.add_argument("--checkpoint", default="checkpoint.pt", help="where rank 0 saves the model")
-    parser.add_argument("--report-dir", default=None, help="where each rank writes rank<r>.json")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    Path(args.checkpoint).parent.mkdir(parents=True, exist_ok=True)  # torch.save makes no folders
+    return args
 
 
-# ---- the distributed part ---------------------------------------------------------------------------------
+# ---- the distributed part -----------------------------------------------------------------------------------
 
 def choose_device(local_rank: int, backend: str | None) -> tuple[str, torch.device]:
-    """(backend, device): NCCL with one GPU per rank; gloo on CPUs, or when ranks must share GPUs."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
-    backend = backend or ("nccl" if gpus >= local_world_size else "gloo")
+    """(backend, device): NCCL when each rank has a GPU of its own, gloo otherwise."""
+    gpus = torch.cuda.device_count()
+    backend = backend or ("nccl" if gpus >= int(os.environ["LOCAL_WORLD_SIZE"]) else "gloo")
     if gpus == 0:
         return backend, torch.device("cpu")
-    torch.cuda.set_device(local_rank % gpus)  # before any CUDA work: this process's GPU
+    torch.cuda.set_device(local_rank % gpus)  # before any CUDA work
     return backend, torch.device("cuda", local_rank % gpus)
 
 
-def train(model, loader, sampler, device, rank: int, report: dict) -> None:
-    """EPOCHS of DDP training; after each epoch the loss summed over every rank's samples, logged by rank 0."""
+def make_loader(dataset) -> tuple[DistributedSampler, DataLoader]:
+    """This rank's shard of the dataset, in batches of BATCH_PER_RANK."""
+    sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)  # rank and world size come from the group
+    return sampler, DataLoader(dataset, batch_size=BATCH_PER_RANK, sampler=sampler)
+
+
+def train(model, loader, sampler, device, rank: int) -> list[float]:
+    """EPOCHS of training; returns each epoch's loss over all ranks' samples, which rank 0 prints."""
     optimizer = make_optimizer(model)
     loss_function = nn.CrossEntropyLoss()
+    history = []
     for epoch in range(EPOCHS):
-        sampler.set_epoch(epoch)  # a new shuffle every epoch, the same on every rank
-        totals = torch.zeros(2, device=device, dtype=torch.float64)  # (summed loss, samples) on this rank
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        loss_sum, count = 0.0, 0
         for features, labels in loader:
             features, labels = features.to(device), labels.to(device)
             optimizer.zero_grad()
             loss = loss_function(model(features), labels)
             loss.backward()  # DDP averages the gradients over the ranks here
             optimizer.step()
-            totals[0] += loss.detach().double() * len(labels)
-            totals[1] += len(labels)
-        local_loss = (totals[0] / totals[1]).item()
-        dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # bounded by the group's timeout, like every collective
-        loss, samples = (totals[0] / totals[1]).item(), int(totals[1].item())
-        report["epochs"].append({"epoch": epoch, "local_loss": local_loss, "loss": loss, "samples": samples})
+            loss_sum += loss.item() * len(labels)
+            count += len(labels)
+        history.append(global_mean(loss_sum, count, device))
         if rank == 0:
-            print(f"epoch {epoch}: loss {loss:.4f} over {samples} samples (all ranks)", flush=True)
+            print(f"epoch {epoch}: loss {history[-1]:.4f}", flush=True)
+    return history
 
 
-def checkpoint_round_trip(model, path: str, device, rank: int, report: dict) -> dict:
-    """Rank 0 writes the checkpoint once; every rank reads it back after the barrier, onto its own device."""
+def global_mean(loss_sum: float, count: int, device: torch.device) -> float:
+    """The mean over every rank's samples: sums and counts added over the ranks, then divided."""
+    totals = torch.tensor([loss_sum, count], dtype=torch.float64, device=device)
+    dist.all_reduce(totals, op=dist.ReduceOp.SUM)  # every rank must call it
+    return (totals[0] / totals[1]).item()
+
+
+def save_and_reload(model, path: str, device: torch.device, rank: int) -> dict:
+    """Rank 0 writes the checkpoint; every rank reads it back once it is complete, onto its own device."""
     if rank == 0:
-        torch.save(model.module.state_dict(), path)
-        note(report, "saved")
+        torch.save(model.module.state_dict(), path)  # the unwrapped model: no "module." in the keys
     dist.barrier()  # nobody reads before rank 0 has finished writing
-    note(report, "loading")
-    state = torch.load(path, map_location=device, weights_only=True)  # rank 0 saved from its device: map it to ours
-    note_loaded(report, state)
-    model.module.load_state_dict(state)  # e.g. to resume: the checkpoint is the model every rank goes on with
+    state = torch.load(path, map_location=device, weights_only=True)  # saved from rank 0's device: map it to ours
+    model.module.load_state_dict(state)
     return state
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
-    report = {"rank": rank, "epochs": [], "events": []}
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])  # set by torchrun
     backend, device = choose_device(local_rank, args.backend)
-    init = {"device_id": device} if backend == "nccl" else {}
-    dist.init_process_group(backend, timeout=TIMEOUT, **init)
+    dist.init_process_group(backend, timeout=TIMEOUT, device_id=device if backend == "nccl" else None)
     try:
-        dataset = make_dataset()
-        sampler = DistributedSampler(dataset, shuffle=True, seed=SEED)
-        loader = DataLoader(dataset, batch_size=BATCH_PER_RANK, sampler=sampler)
+        sampler, loader = make_loader(make_dataset())
         model = make_model().to(device)
         model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-        train(model, loader, sampler, device, rank, report)
-        describe(report, model)  # the trained model, before the checkpoint is loaded into it
-        checkpoint_round_trip(model, args.checkpoint, device, rank, report)
+        train(model, loader, sampler, device, rank)
+        save_and_reload(model, args.checkpoint, device, rank)
     finally:
-        dist.destroy_process_group()
-    write_report(report, args.report_dir)
+        dist.destroy_process_group()  # also when training failed
 
 
 if __name__ == "__main__":
