@@ -185,19 +185,39 @@ def _running(process: psutil.Process) -> bool:
         return False
 
 
+def _cmdline(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:  # ended meanwhile, or not ours to read
+        return []
+
+
 def _students_processes(settings: ClassSettings) -> list[psutil.Process]:
     names = {s.name for s in accounts.read_roster(settings.roster)}
     return [p for p in psutil.process_iter(["username"]) if p.info["username"] in names and _running(p)]
 
 
-def stop(settings: ClassSettings, timeout_s: float = 30) -> list[str]:
+# How long the hub may take to stop one student's server: JupyterHub's LocalProcessSpawner interrupts it, then
+# terminates it, then kills it (interrupt_timeout 10 s + term_timeout 5 s + kill_timeout 5 s), one server after
+# another, while each server shuts its kernels down; a loaded 2-core machine used up a flat 30 s with two servers.
+STOP_PER_SERVER_S = 20
+STOP_BASE_S = 30
+
+
+def stop(settings: ClassSettings, timeout_s: float | None = None) -> list[str]:
     """Stop the hub: it stops every student's server, its proxy and its services. Returns what it left running
-    (pid and command line: its own processes and the students'), which is then killed; empty when it cleaned up."""
+    (pid and command line: its own processes and the students'), which is then killed; empty when it cleaned up.
+
+    timeout_s: how long the hub may take before it is killed; by default STOP_BASE_S plus STOP_PER_SERVER_S for
+    each student's server running."""
     family = []
     pid = _hub_pid(settings)
     if pid is not None:
         hub = psutil.Process(pid)
         family = [hub, *hub.children(recursive=True)]
+        if timeout_s is None:
+            servers = [p for p in _students_processes(settings) if "jupyterhub-singleuser" in " ".join(_cmdline(p))]
+            timeout_s = STOP_BASE_S + STOP_PER_SERVER_S * len(servers)
         hub.terminate()
         if psutil.wait_procs([hub], timeout=timeout_s)[1]:
             hub.kill()
