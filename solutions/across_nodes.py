@@ -4,7 +4,7 @@ import torch.distributed as dist
 
 
 def hierarchical_all_reduce(tensor, inside_group, across_group):
-    """Sum the flat tensor (N,) over every rank in place: reduce-scatter in the node, all-reduce across, all-gather."""
+    """Sum the flat tensor (numel,) over every rank in place: reduce-scatter in the node, all-reduce across, all-gather."""
     ranks_per_node = dist.get_world_size(inside_group)
     flat = tensor.view(-1)
     shard_size = -(-flat.numel() // ranks_per_node)  # pad to a multiple of the node's ranks

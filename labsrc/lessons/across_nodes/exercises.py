@@ -22,7 +22,7 @@ TOPOLOGIES = ((2, 2), (3, 2), (2, 3))
 UNSEEN = (" The checker sees the collectives called as dist.<name>(...) while your function runs: a name bound "
           "before it runs (rs = dist.reduce_scatter_tensor at the top of the cell) is not seen; call dist.<name>.")
 def sizes(ranks_per_node: int) -> list[int]:
-    """(N,) sizes: one the node's ranks divide (diagnosed first), then one they do not, and a larger one."""
+    """(numel,) sizes: one the node's ranks divide (diagnosed first), then one they do not, and a larger one."""
     return [4 * ranks_per_node, 4 * ranks_per_node + 1, 1000 * ranks_per_node + 3]
 
 
@@ -81,7 +81,7 @@ def _rank(ctx, hierarchical_all_reduce: Callable, nodes: int, per_node: int) -> 
 
 def check_hierarchical_all_reduce(hierarchical_all_reduce: Callable, topologies=TOPOLOGIES,
                                   timeout_s: float = 60.0) -> None:
-    """hierarchical_all_reduce(tensor (N,) float32, inside_group, across_group) sums over every rank in place.
+    """hierarchical_all_reduce(tensor (numel,) float32, inside_group, across_group) sums over every rank in place.
 
     Exactly equal to dist.all_reduce (the inputs' sums are exact in float32), on sizes the node's ranks divide
     and sizes they do not; the whole-world group is never used, and the across group carries one shard.
@@ -137,4 +137,4 @@ def check_predict_speedup(predict_speedup: Callable) -> None:
             if math.isclose(got, mistake(nodes, per_node), rel_tol=1e-6):
                 raise ExerciseFailed(f"{case}. {SPEEDUP_HINTS[name]}")
         raise ExerciseFailed(f"{case}: flat 2(gN-1)/(gN) nbytes over each node link, hierarchical 2(N-1)/N nbytes.")
-    passed("(gN-1) / (g(N-1)): the speed-up matches the model on every layout, one node and one rank per node included")
+    passed("the speed-up matches the model on every layout, one node and one rank per node included")

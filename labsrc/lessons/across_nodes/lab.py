@@ -177,6 +177,8 @@ class LocalSgd(Record):
     total_s: float
     loss: float
     sync_loss: float
+    reference_loss: float
+    """Local SGD with this k computed in one process (every worker's steps, then their mean): what `loss` must be."""
     initial_loss: float
 
 

@@ -100,10 +100,11 @@ def schemes_table(result) -> str:
 
 
 def local_sgd_table(result) -> str:
-    lines = [f"{'every k':>7} {'averages':>8} {'communication ms':>17} {'total ms':>9} {'loss':>9} {'vs sync':>8}"]
+    lines = [f"{'every k':>7} {'averages':>8} {'communication ms':>17} {'total ms':>9} {'loss':>9} {'vs sync':>8} "
+             f"{'one-process reference':>22}"]
     for r in analysis.local_sgd_rows(result):
         lines.append(f"{r['every']:>7} {r['calls']:>8} {r['communication_s'] * 1e3:>17.1f} {r['total_s'] * 1e3:>9.1f}"
-                     f" {r['loss']:>9.2f} {r['loss'] / r['sync_loss'] - 1:>+8.2%}")
+                     f" {r['loss']:>9.2f} {r['loss'] / r['sync_loss'] - 1:>+8.2%} {r['reference_loss']:>22.2f}")
     return "\n".join(lines)
 
 
@@ -120,3 +121,45 @@ def show_nodes(result, inside: AlphaBeta | None = None) -> None:
 
 def model_line(link: AlphaBeta) -> str:
     return f"alpha {link.alpha_s * 1e6:.0f} us, 1/beta {link.bandwidth_bytes_per_s / 1e6:.1f} MB/s"
+
+
+def hierarchy_diagram():
+    """The hierarchical all-reduce on 2 nodes x 2 ranks: who sends what to whom in each of its three phases.
+
+    Each rank starts with a tensor of two halves (a, b). Inside arrows stay in a node (fast); across arrows
+    cross the node link (slow), one shard per rank, so each node sends the tensor's size once, not 1.5 times.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch
+    phases = [("1. reduce-scatter inside each node", "inside",
+               ["a0 b0", "a1 b1", "a2 b2", "a3 b3"], ["a0+a1", "b0+b1", "a2+a3", "b2+b3"]),
+              ("2. all-reduce of one shard across nodes", "across",
+               ["a0+a1", "b0+b1", "a2+a3", "b2+b3"], ["A", "B", "A", "B"]),
+              ("3. all-gather inside each node", "inside", ["A", "B", "A", "B"], ["A B", "A B", "A B", "A B"])]
+    figure, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    spots = {0: (0.25, 0.68), 1: (0.25, 0.28), 2: (0.75, 0.68), 3: (0.75, 0.28)}  # rank: (x, y); nodes left, right
+    for ax, (title, level, before, after) in zip(axes, phases):
+        ax.set_title(title, fontsize=10)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.axis("off")
+        for node, x in ((0, 0.25), (1, 0.75)):
+            ax.add_patch(FancyBboxPatch((x - 0.19, 0.08), 0.38, 0.8, boxstyle="round,pad=0.01", fill=False,
+                                        edgecolor="0.5"))
+            ax.text(x, 0.92, f"node {node}", ha="center", fontsize=9)
+        for rank, (x, y) in spots.items():
+            ax.text(x, y + 0.07, f"rank {rank}: {before[rank]}", ha="center", fontsize=8)
+            ax.text(x, y - 0.07, f"-> {after[rank]}", ha="center", fontsize=8, color="C2")
+        pairs = [(0, 1), (2, 3)] if level == "inside" else [(0, 2), (1, 3)]
+        color = "C0" if level == "inside" else "C3"
+        for a, b in pairs:
+            (xa, ya), (xb, yb) = spots[a], spots[b]
+            if level == "inside":  # beside the labels, inside the node's box
+                xa, xb, ya, yb = xa + 0.15, xb + 0.15, ya + 0.05, yb - 0.05
+            ax.add_patch(FancyArrowPatch((xa, ya), (xb, yb), arrowstyle="<->", mutation_scale=12, color=color,
+                                         shrinkA=14, shrinkB=14, linewidth=2))
+        ax.text(0.5, 0.0, "fast: loopback / NVLink" if level == "inside" else "slow: the node link, S/2 per rank",
+                ha="center", fontsize=8, color=color)
+    figure.suptitle("Hierarchical all-reduce on 2 nodes x 2 ranks: A = a0+a1+a2+a3, B = b0+b1+b2+b3", fontsize=10)
+    plt.tight_layout()
+    plt.show()

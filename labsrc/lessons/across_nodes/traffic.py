@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from labsrc.lessons.across_nodes.cost_model import Layers, step_messages
 from labsrc.lessons.across_nodes.hierarchy import WAIT, NodeGroups
-from labsrc.lessons.async_parameter_server.local_sgd import average_parameters, local_sgd, synchronous_sgd
+from labsrc.lessons.async_parameter_server.local_sgd import (average_parameters, local_sgd, local_sgd_reference,
+                                                             synchronous_sgd)
 from labsrc.lessons.async_parameter_server.server import Problem, full_loss, make_data
 
 
@@ -81,7 +82,8 @@ def local_sgd_runs(rank: int, world_size: int, problem: Problem, steps: int, eve
     Every run sees the same samples (batches seeded by rank and step). Rows: every, calls, communication_s
     (seconds inside the averaging all-reduces, each started after a barrier, slowest rank), total_s, loss (of the
     final averaged parameters on the whole data set), sync_loss (one process averaging every worker's gradient
-    each step: the reference), initial_loss.
+    each step), reference_loss (one process running every worker's k steps and averaging them: what this k must
+    give; a rank that skipped an average, or averaged with the wrong group, misses it), initial_loss.
     """
     data = make_data(problem)
     reference = full_loss(*data, synchronous_sgd(data, problem, tuple(range(world_size)), steps, lr))
@@ -104,5 +106,7 @@ def local_sgd_runs(rank: int, world_size: int, problem: Problem, steps: int, eve
         rows.append({"every": every, "calls": outcome["calls"], "payload_bytes": outcome["payload_bytes"],
                      "communication_s": times[0].item(), "total_s": times[1].item(),
                      "loss": outcome["curve"][-1][1], "sync_loss": reference,
+                     "reference_loss": full_loss(*data, local_sgd_reference(data, problem, tuple(range(world_size)),
+                                                                            steps, every, lr)),
                      "initial_loss": full_loss(*data, torch.zeros(problem.features))})
     return rows
