@@ -185,7 +185,7 @@ def test_heads_that_do_not_split_are_refused():
 
 
 def test_vocab_parallel_loss_equals_dense_from_collectives_and_loss_parallel():
-    for rank_result in vocab.vocab_on_forked_ranks(vocab=256, hidden=16, batch=2, seq=8, world_size=2):
+    for rank_result in vocab.vocab_on_forked_ranks(vocab=256, hidden=16, batch=2, seq=8, world_size=2, seed=1):
         mine, library_version = rank_result["collectives"], rank_result["loss_parallel"]
         assert not mine["naive_exp_finite"]   # the logits overflow exp() without the max subtracted
         for result in (mine, library_version):
@@ -200,3 +200,59 @@ def test_gelu_needs_no_communication_after_a_column_split_but_does_after_a_row_s
     errors = vocab.nonlinearity_between_splits(tp.make_dense("mlp", 32, 4, "cpu", 0), tp.make_input(2, 4, 32, "cpu", 1), 2)
     assert errors["column_error"] < 1e-6 and errors["row_with_all_reduce_error"] < 1e-5
     assert errors["row_without_all_reduce_error"] > 0.05 * errors["scale"]
+
+
+def test_vocab_checks_every_shard_boundary_and_an_off_by_one_at_the_upper_bound_fails(monkeypatch):
+    assert vocab.shard_boundaries(256, 2) == [0, 127, 128, 255]
+    for rank_result in vocab.vocab_on_forked_ranks(vocab=256, hidden=16, batch=2, seq=8, world_size=2, seed=1):
+        assert rank_result["boundary_targets"] == rank_result["boundary_ids"] == rank_result["boundaries"]
+    correct = vocab.vocab_parallel_cross_entropy
+
+    def upper_bound_included(local_logits, targets, vocab_start, traffic, group=None):
+        # the planted off-by-one: a target equal to the next shard's first id also counts on this rank
+        width = local_logits.shape[-1]
+        shifted = targets.clone()
+        shifted[targets == vocab_start + width] = vocab_start + width - 1
+        return correct(local_logits, shifted, vocab_start, traffic, group)
+
+    monkeypatch.setattr(vocab, "vocab_parallel_cross_entropy", upper_bound_included)
+    results = vocab.vocab_on_forked_ranks(vocab=256, hidden=16, batch=2, seq=8, world_size=2, seed=1)
+    assert max(r["collectives"]["loss_error"] / max(1, r["collectives"]["dense_loss"]) for r in results) > 1e-3
+
+
+def test_activation_memory_follows_korthikanti_terms_and_sequence_parallel_equals_dense():
+    from labsrc.lessons.model_tensor_parallel import activations
+    for kept in activations.activations_on_forked_ranks(batch=2, seq=16, hidden=64, world_size=2):
+        unit = kept["batch"] * kept["seq"] * kept["hidden"] * kept["element_size"]
+        measured = {layout: size / unit for layout, size in kept["bytes"].items()}
+        for layout, expected in (("dense", 10), ("tensor", 2 + 8 / 2), ("megatron_sp", 10 / 2), ("torch_sp", 5.5)):
+            assert measured[layout] == pytest.approx(expected, rel=0.01), (layout, measured)
+        assert max(kept[k] for k in ("output_error", "input_grad_error", "weight_grad_error")) < 1e-5 * kept["scale"]
+
+
+def test_activation_memory_sees_a_gathered_input_kept_whole(monkeypatch):
+    from labsrc.lessons.model_tensor_parallel import activations
+
+    def keeps_whole(context, shard, weight, bias):
+        whole = activations.gather_sequence(shard)
+        context.save_for_backward(whole, weight)   # the planted mistake: the gathered input kept, not the shard
+        return torch.nn.functional.linear(whole, weight, bias)
+
+    def backward_from_whole(context, grad):
+        whole, weight = context.saved_tensors
+        return (activations.scatter_sequence(grad @ weight), grad.flatten(0, -2).T @ whole.flatten(0, -2),
+                grad.flatten(0, -2).sum(0))
+
+    monkeypatch.setattr(activations.GatheredLinear, "forward", staticmethod(keeps_whole))
+    monkeypatch.setattr(activations.GatheredLinear, "backward", staticmethod(backward_from_whole))
+    kept = activations.activations_on_forked_ranks(batch=2, seq=16, hidden=64, world_size=2)[0]
+    unit = kept["batch"] * kept["seq"] * kept["hidden"] * kept["element_size"]
+    assert kept["bytes"]["megatron_sp"] / unit > 5 * 1.05   # 5.5: what torch's eager plan keeps
+    assert kept["weight_grad_error"] < 1e-5 * kept["scale"]   # still the right numbers: only the memory shows it
+
+
+def test_torch_plans_make_the_collectives_of_f_and_g():
+    for made in library.collectives_on_forked_ranks(world_size=2):
+        assert made["colwise_rowwise"] == {"forward": {"all_reduce": 1}, "backward": {"all_reduce": 1}}
+        sequence = {"all_gather_into_tensor": 1, "reduce_scatter_tensor": 1}
+        assert made["sequence_parallel"] == {"forward": sequence, "backward": sequence}

@@ -71,8 +71,25 @@ class NormMLP(nn.Module):
         self.norm = nn.LayerNorm(hidden)
         self.mlp = copy.deepcopy(dense)
 
+        with torch.no_grad():   # not all ones and zeros, so the norm's gradients are not trivial
+            self.norm.weight.copy_(torch.linspace(0.5, 1.5, hidden))
+            self.norm.bias.copy_(torch.linspace(-0.2, 0.2, hidden))
+
     def forward(self, x):
         return self.mlp(self.norm(x))
+
+
+def parallel_sequence_block(block: NormMLP) -> nn.Module:
+    """A copy of block parallelized with torch's sequence-parallel plan over every rank: the norm on this rank's
+    slice of the sequence, an all-gather into fc1, a reduce-scatter out of fc2 (input and output (b, s/t, h))."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+    device = next(block.parameters()).device
+    mesh = mesh_of(device, (dist.get_world_size(),), ("tensor",))
+    plan = {"norm": SequenceParallel(), "mlp.fc1": ColwiseParallel(input_layouts=Shard(1)),
+            "mlp.fc2": RowwiseParallel(output_layouts=Shard(1))}
+    return parallelize_module(copy.deepcopy(block), mesh, plan)
 
 
 def finish_partial_gradients(module: nn.Module) -> dict:
@@ -99,17 +116,9 @@ def compare_sequence_parallel(dense: tp.DenseMLP, x: torch.Tensor, rank: int, wo
     the input gradient's slice and every parameter's gradient (norm weight and bias included), each cut like its
     placement. The norm's weight and bias are not all ones and zeros, so their gradients are not trivial."""
     from torch.distributed.tensor import Partial, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
-    mesh = mesh_of(x.device, (world_size,), ("tensor",))
     block = NormMLP(dense, x.shape[-1]).to(x.device)
-    with torch.no_grad():
-        block.norm.weight.copy_(torch.linspace(0.5, 1.5, x.shape[-1]))
-        block.norm.bias.copy_(torch.linspace(-0.2, 0.2, x.shape[-1]))
     reference = copy.deepcopy(block)
-    plan = {"norm": SequenceParallel(), "mlp.fc1": ColwiseParallel(input_layouts=Shard(1)),
-            "mlp.fc2": RowwiseParallel(output_layouts=Shard(1))}
-    parallel = parallelize_module(block, mesh, plan)
+    parallel = parallel_sequence_block(block)
     probe = torch.linspace(-1, 1, x.numel(), device=x.device).view_as(x)
     local_x = x.chunk(world_size, dim=1)[rank].clone().requires_grad_()
     output = parallel(local_x)
@@ -169,3 +178,77 @@ def two_dimensional_on_forked_ranks(hidden: int, heads: int, batch: int, seq: in
     """compare_two_dimensional on world_size forked gloo CPU ranks (no torchrun launch): one dict per rank."""
     from labsrc.core.forked import run_ranks
     return run_ranks(_two_dimensional_rank, world_size, (hidden, heads, batch, seq, seed), timeout_s=120)
+
+
+def count_collectives(module: nn.Module, x: torch.Tensor) -> dict:
+    """{"forward": {collective: calls}, "backward": {...}} that torch's parallelized module made on this rank,
+    counted with torch.distributed.tensor.debug.CommDebugMode (sum(output) as the loss)."""
+    from torch.distributed.tensor.debug import CommDebugMode
+    counts = {}
+    with CommDebugMode() as forward:
+        output = module(x.clone().requires_grad_())   # an input that needs its gradient, as inside a model
+    counts["forward"] = {str(op).split(".")[-1]: n for op, n in forward.get_comm_counts().items()}
+    with CommDebugMode() as backward:
+        output.sum().backward()
+    counts["backward"] = {str(op).split(".")[-1]: n for op, n in backward.get_comm_counts().items()}
+    return counts
+
+
+def _collectives_rank(ctx, hidden: int, batch: int, seq: int, seed: int) -> dict:
+    dense = tp.make_dense("mlp", hidden, 1, ctx.device, seed)
+    x = tp.make_input(batch, seq, hidden, ctx.device, seed + 1)
+    mesh = mesh_of(x.device, (ctx.world_size,), ("tensor",))
+    return {"colwise_rowwise": count_collectives(parallel_mlp(dense, mesh), x),
+            "sequence_parallel": count_collectives(parallel_sequence_block(NormMLP(dense, hidden)),
+                                                   x.chunk(ctx.world_size, dim=1)[ctx.rank].clone())}
+
+
+def collectives_on_forked_ranks(hidden: int = 32, batch: int = 2, seq: int = 8, seed: int = 0,
+                                world_size: int = 2) -> list[dict]:
+    """The collectives torch's two plans make, forward and backward, on world_size forked gloo CPU ranks."""
+    from labsrc.core.forked import run_ranks
+    return run_ranks(_collectives_rank, world_size, (hidden, batch, seq, seed), timeout_s=120)
+
+
+def count_optimizer_collectives(hidden: int, batch: int, seq: int, seed: int, rank: int, world_size: int,
+                                device: torch.device) -> dict:
+    """All-reduces made by optimizer.step() on the sequence-parallel block, counted with CommDebugMode: AdamW and
+    SGD on the Partial(sum) norm gradients as backward left them, then AdamW after redistributing them first."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    def all_reduces(mode) -> int:
+        return sum(n for op, n in mode.get_comm_counts().items() if "all_reduce" in str(op))
+
+    counts = {}
+    for name, make_optimizer, redistribute_first in (
+            ("AdamW", lambda ps: torch.optim.AdamW(ps, lr=1e-2), False),
+            ("SGD", lambda ps: torch.optim.SGD(ps, lr=1e-2), False),
+            ("AdamW after redistributing", lambda ps: torch.optim.AdamW(ps, lr=1e-2), True)):
+        dense = tp.make_dense("mlp", hidden, 1, device, seed)
+        x = tp.make_input(batch, seq, hidden, device, seed + 1)
+        block = parallel_sequence_block(NormMLP(dense, hidden))
+        output = block(x.chunk(world_size, dim=1)[rank].clone())
+        output.pow(2).sum().backward()
+        partial = [p for p in block.parameters() if any(pl.is_partial() for pl in p.grad.placements)]
+        with CommDebugMode() as redistributing:
+            if redistribute_first:
+                for p in partial:
+                    p.grad = p.grad.redistribute(placements=[Replicate()])
+        optimizer = make_optimizer(list(block.parameters()))
+        with CommDebugMode() as stepping:
+            optimizer.step()
+        counts[name] = {"partial_gradients": len(partial), "redistribute": all_reduces(redistributing),
+                        "step": all_reduces(stepping)}
+    return counts
+
+
+def _optimizer_rank(ctx, hidden: int, batch: int, seq: int, seed: int) -> dict:
+    return count_optimizer_collectives(hidden, batch, seq, seed, ctx.rank, ctx.world_size, ctx.device)
+
+
+def optimizer_collectives_on_forked_ranks(hidden: int = 32, batch: int = 2, seq: int = 8, seed: int = 0,
+                                          world_size: int = 2) -> list[dict]:
+    """The all-reduces optimizer.step() makes on Partial(sum) norm gradients, on world_size forked gloo CPU ranks."""
+    from labsrc.core.forked import run_ranks
+    return run_ranks(_optimizer_rank, world_size, (hidden, batch, seq, seed), timeout_s=120)

@@ -133,5 +133,4 @@ def check_row_parallel_forward(row_parallel_forward: Callable, world_sizes: tupl
     for world_size in world_sizes:
         on_ranks(_row_forward_rank, world_size, (row_parallel_forward,), timeout_s=60)
     passed(f"on {' and '.join(map(str, world_sizes))} ranks the partial products summed by all_reduce, plus the "
-           "bias once, equal the dense layer's output, and backward gives the dense layer's gradients (g's "
-           "backward is the identity)")
+           "bias once, equal the dense layer's output, and backward gives the dense layer's gradients")

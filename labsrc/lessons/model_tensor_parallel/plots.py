@@ -92,3 +92,57 @@ def cost_comparison(result):
     ax.legend(fontsize=7)
     ax.figure.tight_layout()
     return ax
+
+
+def column_row_split(world_size: int = 2):
+    """The Megatron MLP on world_size ranks as a diagram: f, the column-split fc1 (rows of weight), GELU on each
+    rank's features, the row-split fc2 (columns of weight), g; what each of f and g does forward and backward."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyBboxPatch
+    figure, ax = plt.subplots(figsize=(10, 1.4 + 1.3 * world_size))
+    ax.set_axis_off()
+    height = 1.3 * world_size
+
+    def box(x, y, width, tall, text, colour="white"):
+        ax.add_patch(FancyBboxPatch((x, y), width, tall, boxstyle="round,pad=0.02", facecolor=colour,
+                                    edgecolor="black", alpha=0.8))
+        ax.text(x + width / 2, y + tall / 2, text, ha="center", va="center", fontsize=9)
+
+    box(0, height / 2 - 0.4, 1.1, 0.8, "X\n(tokens, h)\nwhole on\nevery rank")
+    box(1.5, 0.1, 0.6, height - 0.2, "f", "gold")
+    box(7.6, 0.1, 0.6, height - 0.2, "g", "gold")
+    for rank in range(world_size):
+        y = height - 1.3 * (rank + 1) + 0.25
+        colour = RANK_COLOURS[rank % len(RANK_COLOURS)]
+        box(2.5, y, 1.6, 0.8, f"rank {rank}: fc1 rows\n(4h/{world_size}, h)", colour)
+        box(4.4, y, 1.0, 0.8, f"GELU\n4h/{world_size} cols", colour)
+        box(5.7, y, 1.6, 0.8, f"rank {rank}: fc2 cols\n(h, 4h/{world_size})", colour)
+        ax.annotate("", (7.6, y + 0.4), (7.3, y + 0.4), arrowprops={"arrowstyle": "->"})
+        ax.text(7.45, y - 0.2, "partial sum", fontsize=7, ha="center")
+        for start, stop in ((2.1, 2.5), (4.1, 4.4), (5.4, 5.7)):
+            ax.annotate("", (stop, y + 0.4), (start, y + 0.4), arrowprops={"arrowstyle": "->"})
+    ax.annotate("", (1.5, height / 2), (1.1, height / 2), arrowprops={"arrowstyle": "->"})
+    box(8.6, height / 2 - 0.4, 1.2, 0.8, "Y\n(tokens, h)\nwhole on\nevery rank")
+    ax.annotate("", (8.6, height / 2), (8.2, height / 2), arrowprops={"arrowstyle": "->"})
+    ax.text(1.8, -0.35, "f: forward identity\nbackward all-reduce", ha="center", va="top", fontsize=8)
+    ax.text(7.9, -0.35, "g: forward all-reduce\nbackward: exercise 2", ha="center", va="top", fontsize=8)
+    ax.set_xlim(-0.1, 9.9)
+    ax.set_ylim(-1.1, height + 0.1)
+    ax.set_title(f"The Megatron MLP on {world_size} ranks: column-parallel fc1, row-parallel fc2, "
+                 "one all-reduce each way")
+    figure.tight_layout()
+    return figure
+
+
+def activation_memory(measured: dict, predicted: dict, unit_bytes: int):
+    """Bytes one rank keeps for backward per layout, in units of batch x seq x hidden numbers, beside the paper's."""
+    axes = new_axes(title="Activations kept for backward, one rank (LayerNorm + MLP)",
+                    xlabel="", ylabel="numbers / (batch x seq x hidden)")
+    names = list(measured)
+    positions = range(len(names))
+    axes.bar([p - 0.2 for p in positions], [measured[n] / unit_bytes for n in names], width=0.4, label="measured")
+    axes.bar([p + 0.2 for p in positions], [predicted.get(n, float("nan")) for n in names], width=0.4,
+             label="Korthikanti et al. (Table 2 terms)", alpha=0.6)
+    axes.set_xticks(list(positions), names)
+    axes.legend()
+    return axes

@@ -147,12 +147,29 @@ def compare_loss_parallel(dense: DenseLanguageModel, ids: torch.Tensor, targets:
             "local_logits_shape": list(plain(logits).shape)}
 
 
+def shard_boundaries(vocab: int, world_size: int) -> list[int]:
+    """The first and last id of every rank's rows: where an off-by-one in a shard's bounds shows."""
+    return sorted({i for r in range(world_size) for i in (r * vocab // world_size, (r + 1) * vocab // world_size - 1)})
+
+
+def ids_with_boundaries(vocab: int, batch: int, seq: int, world_size: int, generator) -> torch.Tensor:
+    """Random ids (batch, seq), the first of them replaced by every shard boundary (random ids rarely hit one)."""
+    ids = torch.randint(vocab, (batch, seq), generator=generator)
+    boundaries = torch.tensor(shard_boundaries(vocab, world_size))
+    ids.view(-1)[:len(boundaries)] = boundaries
+    return ids
+
+
 def _vocab_rank(ctx, vocab: int, hidden: int, batch: int, seq: int, seed: int) -> dict:
     dense = make_language_model(vocab, hidden, seed)
     generator = torch.Generator().manual_seed(seed + 1)
-    ids, targets = (torch.randint(vocab, (batch, seq), generator=generator) for _ in range(2))
+    ids, targets = (ids_with_boundaries(vocab, batch, seq, ctx.world_size, generator) for _ in range(2))
+    boundaries = set(shard_boundaries(vocab, ctx.world_size))
     return {"collectives": compare_vocab_parallel(dense, ids, targets, ctx.rank, ctx.world_size),
-            "loss_parallel": compare_loss_parallel(dense, ids, targets, ctx.rank, ctx.world_size)}
+            "loss_parallel": compare_loss_parallel(dense, ids, targets, ctx.rank, ctx.world_size),
+            "boundaries": sorted(boundaries),
+            "boundary_targets": sorted(boundaries & set(targets.flatten().tolist())),
+            "boundary_ids": sorted(boundaries & set(ids.flatten().tolist()))}
 
 
 def vocab_on_forked_ranks(vocab: int = 1024, hidden: int = 32, batch: int = 4, seq: int = 16, seed: int = 0,
