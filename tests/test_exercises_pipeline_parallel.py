@@ -89,6 +89,12 @@ def test_idle_fraction_mistakes_are_named(wrong, message):
         checkers.check_idle_fraction(wrong)
 
 
+def test_idle_fraction_returning_one_number_is_named():
+    solution = load_solution("pipeline_parallel", "idle_fraction")
+    with pytest.raises(ExerciseFailed, match="not one number"):
+        checkers.check_idle_fraction(lambda timeline: sum(solution(timeline)) / len(timeline))
+
+
 def _rounded(timeline):
     return [round(value, 1) for value in load_solution("pipeline_parallel", "idle_fraction")(timeline)]
 

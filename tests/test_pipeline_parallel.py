@@ -208,9 +208,15 @@ def test_lab_launch_records_every_experiment():
                         box_ms=5, memory_micro_batches=4)
     checks = result.of(lab.GradientCheck)
     assert len(checks) == 2 * 10 and max(c.max_error for c in checks) < 1e-6
-    # torch's zero-bubble schedules write weight gradients outside the accumulation hook that counts backwards
-    assert all(set(c.backwards) == {c.micro_batches} for c in checks
-               if not (c.schedule.endswith("zero_bubble") and c.implementation != "hand-written"))
+    # torch's zero-bubble schedules: stage 0 runs W as a full backward (hook fires, m); later stages add dw to
+    # weight.grad directly (stage_backward_weight), past the hook: 0
+    from labsrc.lessons.pipeline_parallel import library
+    for c in checks:
+        if c.schedule.endswith("zero_bubble") and c.implementation != "hand-written":
+            held = library.stages_held(c.schedule, c.rank, 2)
+            assert list(c.backwards) == [c.micro_batches if i == 0 else 0 for i in held], (c.schedule, c.rank, c.backwards)
+        else:
+            assert set(c.backwards) == {c.micro_batches}, (c.schedule, c.rank, c.backwards)
     assert {(m.schedule, m.stage) for m in result.of(lab.StepMessages)} == {
         (s, r) for s in ("interleaved_1f1b", "zero_bubble") for r in (0, 1)}
     assert not result.of(lab.ScheduleProblem) and not result.of(lab.Skipped)
@@ -289,3 +295,52 @@ def test_saved_activations_of_a_split_backward_are_freed_at_their_w():
         run_chunks({0: module}, actions, 1, 1, inputs, targets, m, meter=meter)
         assert meter.peak == chunked.kept_bytes_peak(actions, {0: one.peak})
         assert meter.alive == 0
+
+
+@pytest.mark.parametrize("blocks", [1, 4])
+def test_split_backward_does_one_backwards_work(blocks):
+    """B + W run exactly the matrix products and Tanh backwards of one whole backward, and W runs no Tanh
+    backward (a W that walked back through the stage again would recompute the chain: 2L - 1 products, not L)."""
+    from labsrc.lessons.pipeline_parallel.backward_split import backward_work
+    counted = backward_work(make_model(16, blocks), torch.randn(4, 16))
+    for op in ("mm", "addmm", "tanh_backward"):
+        assert counted["B"].ops[op] + counted["W"].ops[op] == counted["whole"].ops[op], op
+    assert counted["B"].matmul_flops + counted["W"].matmul_flops == counted["whole"].matmul_flops
+    assert counted["W"].ops["tanh_backward"] == 0 and counted["W"].ops["mm"] == blocks
+
+
+@pytest.mark.parametrize("stages", range(2, 9))
+def test_zero_bubble_keeps_zb_h1_memory(stages):
+    """ZB-H1 keeps at most p micro-batches (Qi et al. 2023): min(m, p) at its peak on every stage, not m."""
+    for m in range(1, 3 * stages + 1):
+        peaks = [chunked.in_flight_peak(actions) for actions in chunked.zero_bubble_lists(stages, m)]
+        assert peaks == [min(m, stages)] * stages, (stages, m, peaks)
+
+
+@pytest.mark.parametrize("ranks,chunks,micro_batches", [(2, 2, 4), (2, 2, 8), (4, 2, 8), (4, 2, 16), (3, 3, 6)])
+def test_interleaved_warmup_and_peak_are_narayanans(ranks, chunks, micro_batches):
+    """Narayanan et al. 2021 §2.2: rank r warms up with 2(p-1-r) + (v-1)p forwards, so it keeps one more at its
+    peak (for m > p)."""
+    for rank in range(ranks):
+        actions = chunked.interleaved_actions(rank, ranks, chunks, micro_batches)
+        warmup = 2 * (ranks - 1 - rank) + (chunks - 1) * ranks
+        assert [kind for kind, _, _ in actions[:warmup + 1]] == ["F"] * warmup + ["F"]
+        assert actions[warmup + 1][0] == "B"
+        assert chunked.in_flight_peak(actions) == warmup + 1
+
+
+def test_executor_step_with_b_and_w_does_one_backwards_work():
+    """run_chunks itself, one stage: [F, B, W] per micro-batch runs the matrix products of [F, B], no more."""
+    from labsrc.lessons.pipeline_parallel.chunked_executor import step_work
+    step = step_work(make_model(16, 3), *make_batch(8, 16), 2)
+    for op in ("mm", "addmm", "tanh_backward"):
+        assert step["split"].ops[op] == step["whole"].ops[op], op
+    assert step["split"].matmul_flops == step["whole"].matmul_flops
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4, 8])
+def test_interleaved_order_is_torchs(ranks):
+    """The hand-written interleaved lists equal torch's own ScheduleInterleaved1F1B order (schedules.py)."""
+    for micro_batches in (ranks, 2 * ranks, 3 * ranks):
+        lists, _ = chunked.chunked_lists("interleaved_1f1b", ranks, micro_batches)
+        assert [list(map(tuple, l)) for l in lists] == chunked.torch_interleaved_order(ranks, 2, micro_batches)

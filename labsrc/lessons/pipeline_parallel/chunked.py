@@ -4,7 +4,7 @@ step W), their ideal timelines and their bubble formulas.
 
 Interleaved 1F1B: Narayanan et al. 2021 (arXiv:2104.04473) §2.2.2, the order of Megatron-LM's
 forward_backward_pipelining_with_interleaving. Zero bubble: Qi et al. 2023 (arXiv:2401.10241), ZB-H1: the same
-F/B order as 1F1B, each W deferred into the time a stage would otherwise wait.
+F/B order as 1F1B, each W deferred into the time a stage would otherwise wait, at most p micro-batches kept.
 """
 from __future__ import annotations
 
@@ -44,15 +44,14 @@ def one_f_one_b_order(stage: int, stages: int, micro_batches: int) -> list[tuple
 
 
 def zero_bubble_lists(stages: int, micro_batches: int) -> list[list[ChunkAction]]:
-    """Every stage's zero-bubble list: 1F1B's F and B (B now the input gradient only); a W runs when the stage's
-    next F or B cannot start yet (its input has not arrived), the rest at the end. Found by stepping boxes of 1
-    through time; W j always comes after B j (it needs the gradient B received). This greedy placement reaches
-    ZB-H1's bubble but not its memory: no stage runs a W before its last forward (checked for p = 2..8, m = 1..16),
-    so every stage keeps all m micro-batches' activations at its peak, as GPipe does; Qi et al.'s ZB-H1 delays
-    W's so that memory stays at 1F1B's."""
+    """Every stage's ZB-H1 list (Qi et al. 2023, their first handcrafted schedule): 1F1B's F and B (B now the input gradient only), each W
+    run when the stage would otherwise wait, or when p micro-batches already wait for their W and the next action
+    is a forward: a stage never keeps more than p micro-batches' activations (they go at W), as in 1F1B. Found by
+    stepping boxes of 1 through time; W j always comes after B j (it needs the gradient B kept)."""
     orders = [one_f_one_b_order(s, stages, micro_batches) for s in range(stages)]
     finished: dict[tuple[str, int, int], int] = {}
     position, busy_until, waiting_w = [0] * stages, [0] * stages, [[] for _ in range(stages)]
+    alive = [0] * stages   # micro-batches whose F has run and whose W has not: their activations are kept
     lists: list[list[ChunkAction]] = [[] for _ in range(stages)]
     now = 0
     while any(position[s] < len(orders[s]) or waiting_w[s] for s in range(stages)):
@@ -62,17 +61,21 @@ def zero_bubble_lists(stages: int, micro_batches: int) -> list[list[ChunkAction]
             if position[s] < len(orders[s]):
                 kind, j = orders[s][position[s]]
                 need = _need(kind, j, s, stages)
-                if need is None or finished.get(need, now + 1) <= now:
+                ready = need is None or finished.get(need, now + 1) <= now
+                memory_full = kind == "F" and alive[s] >= stages and waiting_w[s]   # ZB-H1: at most p kept
+                if ready and not memory_full:
                     lists[s].append((kind, j, s))
                     finished[(kind, j, s)] = busy_until[s] = now + 1
                     position[s] += 1
+                    alive[s] += kind == "F"
                     if kind == "B":
                         waiting_w[s].append(j)
                     continue
-            if waiting_w[s]:
+            if waiting_w[s]:   # waiting for a message, or memory full: a W fills the slot
                 j = waiting_w[s].pop(0)
                 lists[s].append(("W", j, s))
                 finished[("W", j, s)] = busy_until[s] = now + 1
+                alive[s] -= 1
         now += 1
     return lists
 
@@ -159,7 +162,7 @@ def w_before_b(timeline: list[list[dict]]) -> list[str]:
 
 
 CHUNKED_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
-"""Hand-written schedules run by chunked_executor: interleaved 1F1B with 2 chunks a rank, zero bubble."""
+"""Hand-written schedules run by chunked_executor: interleaved 1F1B with 2 chunks a rank, zero bubble (ZB-H1)."""
 
 
 def chunked_lists(schedule: str, ranks: int, micro_batches: int, chunks: int = 2) -> tuple[list[list], int]:
@@ -194,3 +197,22 @@ def kept_bytes_peak(actions: list[ChunkAction], chunk_bytes: dict[int, int]) -> 
             alive -= chunk_bytes[virtual_stage]
         peak = max(peak, alive)
     return peak
+
+
+def torch_interleaved_order(ranks: int, chunks: int, micro_batches: int) -> list[list[ChunkAction]]:
+    """Every rank's order as torch's own ScheduleInterleaved1F1B computes it (torch/distributed/pipelining/
+    schedules.py, `_calculate_single_rank_operations` and `_get_warmup_ops`), with its idle slots dropped.
+
+    An order derived apart from `interleaved_actions`: the notebook compares the two. The method is private
+    torch API, called here without building stages (it reads only the four attributes set below)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    rounds = max(1, micro_batches // ranks)
+    fake = SimpleNamespace(n_local_stages=chunks, microbatches_per_round=micro_batches // rounds,
+                           pp_group_size=ranks, _n_microbatches=micro_batches)
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B"}
+    return [[(kinds[action.computation_type.name], action.microbatch_index, action.stage_index)
+             for action in ScheduleInterleaved1F1B._calculate_single_rank_operations(fake, rank) if action is not None]
+            for rank in range(ranks)]

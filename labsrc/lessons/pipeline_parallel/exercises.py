@@ -94,6 +94,9 @@ def check_idle_fraction(idle_fraction) -> None:
         timeline = _shifted(_late(ideal, stages - 1, stretch), 100.0)     # starts at t = 100
         expected = schedules.idle_fractions(timeline)
         got = idle_fraction(timeline)
+        if not hasattr(got, "__len__"):
+            raise ExerciseFailed(f"{schedule} p={stages}, m={m}: return a list, one idle fraction per stage ({stages}), "
+                                 f"not one number ({got!r}): the mean over stages is not what is asked")
         if len(got) != stages:
             raise ExerciseFailed(f"{schedule} p={stages}, m={m}: return one fraction per stage ({stages}), got {len(got)}")
         if all(abs(g - e) <= 1e-9 for g, e in zip(got, expected)):

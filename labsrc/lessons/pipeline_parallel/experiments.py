@@ -169,7 +169,8 @@ def timed_chunked(ctx, schedule: str, micro_batches: int, width: int, blocks_per
     """One timed step of a chunked schedule: {"timeline", "sends"}. Every F, B (and W) box lasts box_s: for
     interleaved 1F1B, each of the 2 chunks holds half a stage's blocks but is padded to a whole box (a box of
     box_s / 2 would make the per-hop overhead twice as large a share; the idle fraction's formula does not depend
-    on the box's length); zero bubble: a whole backward = B + W = 2 boxes, as t_B = 2 t_F."""
+    on the box's length); zero bubble: a whole backward = B + W = 2 boxes, as t_B = 2 t_F (B and W each run half
+    of a backward's matrix products: backward_split, counted in notebook 08)."""
     model = make_model(width, blocks_per_stage * ctx.world_size, seed=0)
     inputs, targets = make_batch(micro_batch_size * micro_batches, width, 0, ctx.device)
     dist.barrier()
