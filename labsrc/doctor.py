@@ -20,11 +20,13 @@ from labsrc.nodes import network
 
 LESSONS = ("00_setup", "01_dp_vs_ddp", "01b_your_ddp_script", "02_collectives", "03_data_loading",
            "04_ddp_internals", "05_mixed_precision", "06_performance_scaling", "06b_across_nodes",
-           "07_model_tensor_parallel", "08_pipeline_parallel", "09_memory_sharding", "10_elastic_fault_tolerance", "10b_elastic_membership",
+           "07_model_tensor_parallel", "08_pipeline_parallel", "09_memory_sharding", "09b_fsdp_in_practice",
+           "10_elastic_fault_tolerance", "10b_elastic_membership",
            "11_async_parameter_server", "12_debugging_clinic", "13_capstone")
 # Lessons whose lab always runs gloo ranks on the CPU, whatever the GPUs, and why.
 CPU_ONLY = {
     "09_memory_sharding": "its small models and byte counts stay on the CPU",
+    "09b_fsdp_in_practice": "its forked gloo ranks and small models stay on the CPU",
     "11_async_parameter_server": "a server receives from any source, which NCCL cannot do",
 }
 

@@ -142,3 +142,66 @@ def test_checkpoint_saved_on_four_ranks_loads_on_two(tmp_path):
 def test_options_refuse_a_zero_size():
     with pytest.raises(RequestError):
         Options.make(depth=0).validate()
+
+
+def _stage2_keeping_full_gradients(ctx):
+    from labsrc.lessons.memory_sharding import zero
+    original = zero.ShardedOptimizer.synchronize_gradients
+
+    def keeps_them(self):  # a stage 2 that holds on to its full flat gradients after the reduce-scatter
+        grads = [p.grad for p in self.params]
+        original(self)
+        self.kept = zero.flatten(grads, self.world_size)
+    zero.ShardedOptimizer.synchronize_gradients = keeps_them
+    try:
+        return runs.sharded_optimizer_run(ctx, 2, DEPTH, WIDTH, batches(), LR, Traffic(), dtype=torch.bfloat16)
+    finally:
+        zero.ShardedOptimizer.synchronize_gradients = original
+
+
+def test_the_census_sees_full_gradients_kept_at_stage_2():
+    """Notebook 09's per-stage check reads the census: a stage 2 keeping its full gradients must show 2 Psi, not 2 Psi/n."""
+    parameters = memory.count_parameters(memory.deep_mlp(DEPTH, WIDTH))
+    sharded = memory.per_rank_formula(parameters, 2, 2)["gradients"]
+    for result in run_ranks(_stage2_keeping_full_gradients, 2):
+        assert result["held"]["gradients"] >= 1.9 * sharded, result["held"]
+
+
+def test_the_ownership_diagram_labels_each_stage_with_its_formula():
+    """The kept bytes written under each cell of plots.zero_ownership are the ZeRO formulas per parameter, n = 4."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from labsrc.lessons.memory_sharding import plots
+    figure = plots.zero_ownership(4)
+    labels = [text.get_text() for axis in figure.axes for text in axis.texts]
+    per_stage = [sum(memory.per_rank_formula(1, 4, stage).values()) for stage in range(4)]  # 16, 7, 5.5, 4
+    assert per_stage == [16, 7, 5.5, 4]
+    expected = [f"{value:g} B" for value in per_stage for _ in range(4)]
+    assert labels == expected, labels
+
+
+def test_the_lab_runs_without_the_fsdp_experiments():
+    assert Options(fsdp=False).fsdp is False and Options().fsdp is True
+
+
+def _fallback_counted(ctx):
+    from labsrc.lessons.memory_sharding import zero
+    original = zero.reduce_scatter
+
+    def all_reduce_then_slice(output, full):  # what the helper does on a backend without reduce-scatter
+        total = full.clone()
+        torch.distributed.all_reduce(total)
+        output.copy_(total.view(ctx.world_size, -1)[ctx.rank])
+        return "all_reduce_then_slice"
+    zero.reduce_scatter = all_reduce_then_slice
+    try:
+        traffic = Traffic()
+        zero.reduce_scatter_counted(torch.ones(8), traffic)
+        return traffic.sent
+    finally:
+        zero.reduce_scatter = original
+
+
+def test_a_reduce_scatter_that_fell_back_to_all_reduce_is_counted_as_one():
+    for sent in run_ranks(_fallback_counted, 2):
+        assert sent == {"all_reduce": 2 * 8 * 4 // 2}, sent  # two passes of (n-1)/n of 32 bytes, not one

@@ -77,13 +77,32 @@ def test_token_ids_pass_untouched_into_an_embedding():
 
 def _fsdp2_counts(ctx, setting):
     from labsrc.lessons.memory_sharding import fsdp2_deployed as deployed
-    with deployed.quiet_fsdp_warnings():
-        return deployed.train_and_count(lambda m: deployed._shard_blocks(m, reshard_after_forward=setting),
-                                        token_batches(1, 4, seed=1), ctx.rank, ctx.world_size)
+    return deployed.train_and_count(lambda m: deployed._shard_blocks(m, reshard_after_forward=setting),
+                                    token_batches(1, 4, seed=1), ctx.rank, ctx.world_size)
 
 
-@pytest.mark.parametrize("setting, gathers", [(True, 6), (False, 3)])
+@pytest.mark.parametrize("setting, gathers", [(True, 6), (False, 3), (None, 5)])  # None: the root kept
 def test_fully_shard_from_meta_follows_one_process_and_counts_its_gathers(setting, gathers):
     for result in run_ranks(_fsdp2_counts, 2, (setting,)):
         assert result["gap"] < 1e-6
         assert result["counts"]["allgather_base"] == gathers and result["counts"]["reduce_scatter_base"] == 3
+
+
+def test_the_trace_is_gather_compute_free_in_forward_and_reversed_in_backward():
+    batches = token_batches(1, 8, seed=3)
+    reference = fsdp2_runs.reference_run(batches, None, "sgd", 0.5)
+    trace = run_ranks(fsdp2_runs.hand_fsdp_run, 2, (batches, None, "sgd", 0.5, reference))[0]["trace"]
+    forward = [module for event, module, _ in trace if event == "all-gather"]
+    modules = list(dict.fromkeys(forward))
+    assert forward == modules + modules[::-1], "gathered once in forward, once more in backward, in reverse order"
+    assert all(alive == 0 for event, _, alive in trace if event == "free"), "a module's weights outlived its forward"
+
+
+def _init(ctx):
+    from labsrc.lessons.memory_sharding import fsdp2_deployed as deployed
+    return deployed.init_check()
+
+
+def test_reset_parameters_repeats_shards_on_a_cpu_mesh_and_local_init_does_not():
+    for result in run_ranks(_init, 2):
+        assert result == {"reset_parameters": True, "init_local_shards": False}

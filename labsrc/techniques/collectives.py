@@ -27,9 +27,12 @@ def all_gather(output: torch.Tensor, piece: torch.Tensor) -> None:
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor) -> str:
     """Sum (n * k,) inputs over ranks, keep slice r of length k on rank r; return how it ran.
 
-    The backend's own reduce-scatter where it has one (gloo does in torch 2.11-2.14, NCCL always):
-    "reduce_scatter". A backend without it gets all_reduce then this rank's slice: the same result, for twice
-    the traffic of a ring (2(n-1)/n of the data per rank instead of (n-1)/n): "all_reduce_then_slice".
+    The backend's own reduce-scatter where it accepts the call (NCCL, and gloo in torch 2.11-2.14):
+    "reduce_scatter". Gloo accepts it but has no real reduce-scatter: in torch 2.14 it clones the whole input,
+    all-reduces it and keeps a slice (ProcessGroupGloo.cpp, reduce_scatter_tensor_coalesced; the profiler shows
+    gloo:all_reduce), so on the wire it costs an all-reduce, 2(n-1)/n of the data per rank, not a ring
+    reduce-scatter's (n-1)/n. A backend that refuses the call gets the same all_reduce then this rank's slice
+    here: "all_reduce_then_slice".
     """
     try:
         _single_tensor_collective("reduce_scatter_single", "reduce_scatter_tensor")(output, full)

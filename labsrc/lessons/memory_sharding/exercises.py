@@ -27,13 +27,13 @@ def check_choose_segments(choose_segments: Callable) -> None:
                                  f"give the last segment the remainder. Choose among the divisors of {depth}.")
         best = min(predicted_saved_units(depth, d) for d in range(1, depth + 1) if depth % d == 0)
         if predicted_saved_units(depth, k) > best:
-            hint = (" k = depth checkpoints every block: it keeps n inputs, as many as no checkpointing."
+            hint = (" k = depth checkpoints every block: it keeps L inputs, as many as no checkpointing."
                     if k == depth else " k = 1 is one unchecked segment: every activation is kept."
                     if k == 1 else "")
             raise ExerciseFailed(f"depth {depth}: k = {k} keeps {predicted_saved_units(depth, k)} block outputs; "
-                                 f"the best divisor keeps {best} (k + n/k is smallest near sqrt(n) = "
+                                 f"the best divisor keeps {best} (k + L/k is smallest near sqrt(L) = "
                                  f"{math.sqrt(depth):.1f}).{hint}")
-    passed("k divides the depth and keeps k + n/k block outputs, the fewest: near sqrt(n)")
+    passed("k divides the depth L and keeps k + L/k block outputs, the fewest: near sqrt(L)")
 
 
 def _setup(ctx, seed: int = 0):

@@ -50,15 +50,17 @@ class ShardedParameter:
         """The full (rows, ...) weights for forward, tied to the shard by autograd (backward = reduce-scatter)."""
         return _Gather.apply(self.shard, self)[:self.shape[0]]
 
-    def regather(self) -> None:
-        """Before backward: put the full weights back into the memory forward's saved views point at."""
+    def regather(self) -> bool:
+        """Before backward: put the full weights back into the memory forward's saved views point at (True if
+        gathered now)."""
         storage = self.gathered.untyped_storage() if self.gathered is not None else None
         if storage is None or storage.nbytes() > 0:
-            return  # never gathered in this step, or still there
+            return False  # never gathered in this step, or still there
         storage.resize_(self.gathered.numel() * self.gathered.element_size())
         # A second tensor on the same memory: writing through it leaves the saved views' version counter alone.
         alias = torch.empty(0, dtype=self.gathered.dtype).set_(storage, 0, self.gathered.shape)
         self.gather_into(alias)
+        return True
 
     def free(self) -> None:
         """Give the full weights' memory back; the views autograd saved keep only their address."""
@@ -87,6 +89,7 @@ class _Gather(torch.autograd.Function):
     def backward(ctx, full_gradient: torch.Tensor):
         gradient = ctx.parameter.reduce_gradient(full_gradient)
         ctx.parameter.free()  # backward is done with this module's weights
+        ctx.parameter.on_reduced()
         return gradient, None
 
 
@@ -109,6 +112,8 @@ class PerParameterFSDP:
         self.alive = weakref.WeakSet()  # every gathered full-weight tensor not yet garbage
         self.peak_unsharded = 0  # the most gathered bytes alive at once, read as each module starts its forward
         self.units: dict[nn.Module, list[ShardedParameter]] = {}
+        self.names = {module: name for name, module in model.named_modules()}
+        self.trace: list[tuple[str, str, int]] = []  # (event, module name, gathered bytes alive after it)
         for module in model.modules():
             if isinstance(module, wrap) and any(True for _ in module.parameters(recurse=False)):
                 self.units[module] = [self._shard(module, name) for name, _ in module.named_parameters(recurse=False)]
@@ -122,12 +127,17 @@ class PerParameterFSDP:
     def _shard(self, module: nn.Module, name: str) -> ShardedParameter:
         parameter = ShardedParameter(module, name, self.world_size, self.rank, self.compute_dtype, self.traffic)
         parameter.on_gather = self.alive.add
+        parameter.on_reduced = lambda: self._record("reduce-scatter, free", module)
         module._parameters[name] = parameter.shard  # the shard, under the original name: what optimizers see
         return parameter
+
+    def _record(self, event: str, module: nn.Module) -> None:
+        self.trace.append((event, self.names[module], self.unsharded_bytes()))
 
     def _before_forward(self, module, args, kwargs):
         for parameter in self.units[module]:
             module._parameters[parameter.name] = parameter.full_weights()  # a plain tensor, for this forward only
+        self._record("all-gather", module)
         self.peak_unsharded = max(self.peak_unsharded, self.unsharded_bytes())
         dtype = self.compute_dtype or torch.float32
         return cast_floats(args, dtype), {key: cast_floats(value, dtype) for key, value in kwargs.items()}
@@ -137,11 +147,16 @@ class PerParameterFSDP:
         for parameter in parameters:
             module._parameters[parameter.name] = parameter.shard
             parameter.free()  # reshard after forward
+        self._record("free", module)
         outputs = output if isinstance(output, (tuple, list)) else (output,)
         for tensor in outputs:
             if torch.is_tensor(tensor) and tensor.requires_grad:  # pre-backward: gather again, once
-                tensor.register_hook(lambda gradient: [p.regather() for p in parameters] and None)
+                tensor.register_hook(lambda gradient: self._before_backward(module))
         return output
+
+    def _before_backward(self, module) -> None:
+        if any([parameter.regather() for parameter in self.units[module]]):
+            self._record("all-gather", module)  # again, for backward
 
     def finish_gradient_sync(self) -> None:
         """After backward: all-reduce and average the replicated parameters' gradients (sharded ones are done)."""

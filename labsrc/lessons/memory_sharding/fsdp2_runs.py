@@ -69,13 +69,15 @@ def hand_fsdp_run(ctx, batches, compute_dtype, optimizer: str, lr: float, refere
     Per step: the largest gap of the averaged gradients (gathered to full size) and of the parameters; gathered
     bytes alive after forward and after backward; the largest gathered bytes alive at once during forward.
     Bytes sent per collective over all steps, and what the optimizer saw (shapes and dtypes of every .grad).
+    "trace": the first step's (event, module, gathered bytes alive) list, in the order the hooks ran.
     """
     model = tiny_transformer()
     traffic = Traffic()
     fsdp = shard_model(model, WRAP, compute_dtype, traffic)
     step_with = make_optimizer(optimizer, model.parameters(), lr)
-    steps = []
+    steps, first_trace = [], []
     for index, (tokens, targets) in enumerate(batches):
+        fsdp.trace.clear()
         tokens = tokens.chunk(ctx.world_size)[ctx.rank]
         targets = targets.chunk(ctx.world_size)[ctx.rank]
         loss = loss_of(model(tokens), targets)
@@ -83,6 +85,7 @@ def hand_fsdp_run(ctx, batches, compute_dtype, optimizer: str, lr: float, refere
         loss.backward()
         fsdp.finish_gradient_sync()
         after_backward = fsdp.unsharded_bytes()
+        first_trace = first_trace or list(fsdp.trace)
         grads_match = all(p.grad is not None and p.grad.shape == p.shape and p.grad.dtype == torch.float32
                           for p in model.parameters())
         gradient_gap = _gap(fsdp.full_state_dict(gradients=True), reference["gradients"][index])
@@ -95,5 +98,5 @@ def hand_fsdp_run(ctx, batches, compute_dtype, optimizer: str, lr: float, refere
     return {"steps": steps, "sent": dict(traffic.sent), "sharded": sharded, "padded": padded,
             "replicated": replicated, "peak_gathered": fsdp.peak_unsharded,
             "largest_unit": max(sum(p.padded_shape.numel() for p in unit) for unit in fsdp.units.values()),
-            "names": sorted(fsdp.full_state_dict())}
+            "names": sorted(fsdp.full_state_dict()), "trace": first_trace}
 

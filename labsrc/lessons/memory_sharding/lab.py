@@ -16,7 +16,6 @@ from labsrc.core.options import LabOptions, positive
 from labsrc.core.runs import Record
 from labsrc.core.world import RequestError
 from labsrc.lessons.memory_sharding import memory, torch_sharding as production, zero_runs as runs
-from labsrc.lessons.memory_sharding.fsdp2_experiment import hand_fsdp2
 from labsrc.lessons.memory_sharding.transformer import tiny_transformer
 from labsrc.lessons.memory_sharding.zero import Traffic
 
@@ -43,6 +42,9 @@ class Options(LabOptions):
     """Samples in the checkpointing sweep."""
     repeats: int = 3
     """Timed repeats of each checkpointing setting (the fastest counts)."""
+    fsdp: bool = True
+    """Also run fully_shard in each setting (FsdpRow: the 09 deck's figure; notebook 09b checks these settings on
+    forked ranks); notebook 09 runs --no-fsdp."""
 
     def validate(self) -> None:
         super().validate()
@@ -203,7 +205,7 @@ def activations(records, options: Options) -> None:
 def torch_apis(ctx, records, options: Options, batches, reference: dict, first_gradients: dict) -> None:
     """FSDP2 fully_shard in each setting and ZeroRedundancyOptimizer, against the one-process run (its parameters
     after the last step, its gradients before the first)."""
-    for setting, label in production.SETTINGS.items():
+    for setting, label in (production.SETTINGS.items() if options.fsdp else ()):
         result = production.train_fsdp(ctx, options.depth, options.width, setting, batches, options.lr)
         records.write(FsdpRow(setting, label, runs.largest_gap(result["parameters"], reference),
                               runs.largest_gap(result["first_gradients"], first_gradients),
@@ -226,7 +228,7 @@ def memory_sharding_lab(ctx, records, options: Options) -> dict:
     trajectory = runs.unsharded_trajectory(options.depth, options.width, batches, options.lr)
     gradients = runs.unsharded_gradients(options.depth, options.width, batches, options.lr)
     parameters = memory.count_parameters(memory.deep_mlp(options.depth, options.width))
-    steps = ("hand-written ZeRO", "activations", "torch APIs", "per-parameter FSDP by hand")
+    steps = ("hand-written ZeRO", "activations", "torch APIs")
     records.progress(0, len(steps), unit="experiments")
     hand_zero(ctx, records, options, batches, (trajectory, gradients), parameters)
     records.progress(1, len(steps), unit="experiments")
@@ -235,13 +237,11 @@ def memory_sharding_lab(ctx, records, options: Options) -> dict:
     records.progress(2, len(steps), unit="experiments")
     torch_apis(ctx, records, options, batches, trajectory[-1], gradients[0])
     records.progress(3, len(steps), unit="experiments")
-    names = hand_fsdp2(ctx, records, options.batch, options.steps, options.seed)
-    records.progress(4, len(steps), unit="experiments")
     first_layer = memory.count_parameters(memory.deep_mlp(options.depth, options.width)[0])
     return {"parameters": parameters, "first_layer_parameters": first_layer, "depth": options.depth,
             "width": options.width, "steps": options.steps, "checkpoint_depth": options.checkpoint_depth,
             "best_segments": memory.best_segments(options.checkpoint_depth),
-            "full_state_dict_names": names, "transformer_names": sorted(
+            "transformer_names": sorted(
                 name for name, _ in tiny_transformer().named_parameters()),
             "gradient_scale": max(float(g.abs().max()) for step in gradients for g in step.values())}
 

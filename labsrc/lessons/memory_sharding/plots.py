@@ -55,3 +55,43 @@ def fsdp_settings(rows):
     time_axis.set_ylabel("ms per step (noisy on CPU)")
     figure.tight_layout()
     return figure
+
+
+def zero_ownership(world_size: int = 4, bytes_per_parameter=(("parameters", 2), ("gradients", 2), ("optimizer", 12))):
+    """ZeRO's ownership: for each stage (rows) and rank (columns), the model states that rank holds.
+
+    Each state is a bar as long as its bytes per parameter (2 + 2 + 12), cut into world_size shards; a shard the
+    rank keeps is filled, one it does not keep is an empty outline. The text under each cell is its bytes per
+    parameter, the formula of that stage (ZeRO paper, Figure 1).
+    """
+    stages = {0: "stage 0 (DDP)", 1: "stage 1: optimizer state", 2: "stage 2: + gradients", 3: "stage 3: + parameters"}
+    figure, axes = plt.subplots(len(stages), world_size, figsize=(2.3 * world_size, 4.6), sharex=True)
+    total = sum(size for _, size in bytes_per_parameter)
+    for stage, title in stages.items():
+        for rank in range(world_size):
+            axis, kept = axes[stage][rank], 0.0
+            for row, (category, size) in enumerate(bytes_per_parameter):
+                sharded = stage >= {"optimizer": 1, "gradients": 2, "parameters": 3}[category]
+                width = size / world_size
+                for shard in range(world_size):
+                    mine = not sharded or shard == rank
+                    axis.barh(row, width, left=shard * width, height=0.7, color=COLOURS[category] if mine else "white",
+                              edgecolor=COLOURS[category], linewidth=0.8)
+                    kept += width if mine else 0.0
+            axis.set_xlim(0, total * 0.78)
+            axis.set_ylim(2.6, -0.6)
+            axis.set_yticks([])
+            axis.set_xticks([])
+            axis.text(total * 0.76, 0.5, f"{kept:.0f} B" if kept == int(kept) else f"{kept:.1f} B",
+                      ha="right", fontsize=8)
+            if stage == 0:
+                axis.set_title(f"rank {rank}", fontsize=9)
+            if rank == 0:
+                axis.set_ylabel(title, rotation=0, ha="right", va="center", fontsize=8)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=COLOURS[c]) for c, _ in bytes_per_parameter]
+    figure.legend(handles, [f"{c} ({size} B)" for c, size in bytes_per_parameter], loc="lower center", ncol=3,
+                  fontsize=8, frameon=False)
+    figure.suptitle("Who holds what: filled = kept by this rank (bytes per parameter, n = %d)" % world_size,
+                    fontsize=10)
+    figure.tight_layout(rect=(0, 0.06, 1, 1))
+    return figure

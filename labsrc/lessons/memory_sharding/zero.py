@@ -96,11 +96,18 @@ def all_reduce_counted(flat: torch.Tensor, traffic: Traffic) -> None:
 
 
 def reduce_scatter_counted(full: torch.Tensor, traffic: Traffic) -> torch.Tensor:
-    """(padded,) summed over ranks -> this rank's (padded/n,) slice of the sum."""
+    """(padded,) summed over ranks -> this rank's (padded/n,) slice of the sum.
+
+    Counted as a ring reduce-scatter, (n-1)/n of the buffer, whenever the backend accepts the call. That is a
+    model, not the wire: gloo accepts it but runs an all-reduce and slices (see collectives.reduce_scatter),
+    twice the bytes. Only a backend that refuses the call is counted as the all-reduce it falls back to."""
     world_size = dist.get_world_size()
     shard = torch.empty(full.numel() // world_size, dtype=full.dtype, device=full.device)
-    reduce_scatter(shard, full.contiguous())
-    traffic.add("reduce_scatter", full, world_size)
+    how = reduce_scatter(shard, full.contiguous())
+    if how == "reduce_scatter":
+        traffic.add("reduce_scatter", full, world_size)
+    else:
+        traffic.add("all_reduce", full, world_size, passes=2)
     return shard
 
 
