@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from labsrc.lessons.performance_scaling import scaling
-from labsrc.techniques.alpha_beta import AlphaBeta, fit, ring_allreduce_time_s
+from labsrc.techniques.alpha_beta import AlphaBeta, busbw, fit, ring_allreduce_time_s
 
 
 def test_strong_and_weak_scaling():
@@ -30,26 +30,51 @@ def test_prediction_bounds_and_extrapolation():
     assert [r["gpus"] for r in rows["ring"]] == [1, 2, 8, 16, 64] and rows["ring"][0]["efficiency"] == 1.0
 
 
-def test_ring_model_is_the_plain_ring_inside_a_node_and_uses_every_nic_across_nodes():
-    nvlink, nic = scaling.NVLINK, scaling.INFINIBAND
+def test_ring_model_is_the_plain_ring_inside_a_node():
     for n in (2, 4, 8):
-        assert scaling.ring_time_s(1e8, n) == ring_allreduce_time_s(1e8, n, nvlink)
-    two_nodes = scaling.ring_time_s(1e9, 16)
-    latency = 2 * 14 * nvlink.alpha_s + 2 * 1 * nic.alpha_s
-    bandwidth = 2 * 7 / 8 * 1e9 * nvlink.beta_s_per_byte + 2 * 1 / 2 * 1e9 * nic.beta_s_per_byte / 8
-    assert two_nodes == pytest.approx(latency + bandwidth)
-    one_nic = scaling.ring_time_s(1e9, 16, nics_per_node=1)
-    assert one_nic - two_nodes == pytest.approx(7 * 1e9 * nic.beta_s_per_byte / 8), "8 NICs carry 8x the bytes"
+        assert scaling.ring_time_s(1e8, n) == ring_allreduce_time_s(1e8, n, scaling.NVLINK)
+
+
+def test_ring_model_is_the_flat_ring_over_every_gpu_not_a_hierarchical_one():
+    """2 nodes x 8 GPUs (n = 16, N = 2), 1 GB, NVLink 2 us + 450 GB/s, NDR 5 us + 50 GB/s, 8 NICs per node.
+
+    By hand. Latency: 2(n-1) = 30 hops, 2(N-1) = 2 of them over the network: 28 x 2 us + 2 x 5 us = 66 us.
+    Bytes: every ring edge carries 2(n-1)/n = 30/16 = 1.875 GB. A GPU's NVLink moves its 1.875 GB at 450 GB/s
+    (4.167 ms); the node's 8 rings leave it through 8 NICs, 1.875 GB at 8 x 50 = 400 GB/s (4.6875 ms): the
+    NICs set the pace. Total 4.7535 ms.
+    The hierarchical charge (the old model: 2(g-1)/g = 1.75 GB over NVLink plus 2(N-1)/N = 1.0 GB over the NICs)
+    gives 66 us + 3.889 + 2.5 ms = 6.455 ms, and with one NIC per node 23.96 ms against the flat ring's 37.57 ms:
+    its network term, 1.0 GB instead of 1.875, is 47% too fast.
+    """
+    assert scaling.ring_time_s(1e9, 16) == pytest.approx(4.7535e-3, rel=1e-6)
+    assert scaling.ring_time_s(1e9, 16, nics_per_node=1) == pytest.approx(66e-6 + 1.875e9 / 50e9, rel=1e-6)
+    assert scaling.ring_time_s(1e9, 16, nics_per_node=1) == pytest.approx(37.566e-3, rel=1e-6)
+
+
+def test_ring_model_busbw_is_the_bottleneck_bandwidth():
+    """nccl-tests: busbw = algbw x 2(n-1)/n, which for a ring is the slowest link's bandwidth, whatever n."""
+    free = dict(nvlink=AlphaBeta(0.0, 1 / 450e9, 1.0), nic=AlphaBeta(0.0, 1 / 50e9, 1.0))
+    for gpus in (16, 32, 64, 512):
+        seconds = scaling.ring_time_s(1e9, gpus, **free)
+        assert busbw("all_reduce", 1e9, seconds, gpus) == pytest.approx(400e9), gpus  # 8 NICs x 50 GB/s
+        one_nic = scaling.ring_time_s(1e9, gpus, nics_per_node=1, **free)
+        assert busbw("all_reduce", 1e9, one_nic, gpus) == pytest.approx(50e9), gpus
+
+
+def test_ring_model_on_two_nodes_of_two_is_what_a_flat_ring_sends_across():
+    """06b's layout: 2 nodes x 2 ranks, a fast inside link, one slow link per node. Flat: each node's link carries
+    2(n-1)/n = 1.5 x the bytes; a hierarchical all-reduce would send 2(N-1)/N = 1.0 x."""
+    fast, slow = AlphaBeta(0.0, 1 / 2e9, 1.0), AlphaBeta(0.0, 1 / 12.5e6, 1.0)
+    seconds = scaling.ring_time_s(64e6, 4, 2, nvlink=fast, nic=slow, nics_per_node=1)
+    assert seconds == pytest.approx(1.5 * 64e6 / 12.5e6)
 
 
 def test_tree_model_is_a_chain_in_each_node_and_two_trees_across_nodes_over_every_nic():
-    nvlink, nic = scaling.NVLINK, scaling.INFINIBAND
-    two_nodes = scaling.tree_time_s(1e9, 16)
-    latency = 2 * (7 * nvlink.alpha_s + 1 * nic.alpha_s)  # reduce up, broadcast down: 7 NVLink hops, 1 tree level
-    bandwidth = 2 * 1e9 * nvlink.beta_s_per_byte + 2 * 1e9 * nic.beta_s_per_byte / 8
-    assert two_nodes == pytest.approx(latency + bandwidth)
-    one_nic = scaling.tree_time_s(1e9, 16, nics_per_node=1)
-    assert one_nic - two_nodes == pytest.approx(7 * 2 * 1e9 * nic.beta_s_per_byte / 8), "8 NICs carry 8x the bytes"
+    """2 x 8 GPUs, 1 GB: latency 2 (7 x 2 us + 1 x 5 us) = 38 us. Bytes: 2 GB along the chain per GPU at 450 GB/s
+    (4.44 ms), 2 GB out of each node over 8 NICs at 400 GB/s (5 ms), pipelined: the NICs set the pace."""
+    assert scaling.tree_time_s(1e9, 16) == pytest.approx(38e-6 + 5e-3, rel=1e-6)
+    assert scaling.tree_time_s(1e9, 16, nics_per_node=1) == pytest.approx(38e-6 + 40e-3, rel=1e-6)
+    assert scaling.tree_time_s(1e9, 8) == pytest.approx(2 * 7 * 2e-6 + 2e9 / 450e9, rel=1e-6)  # one node: the chain
 
 
 def test_tree_latency_grows_with_log2_of_the_nodes_and_ring_latency_with_the_gpus():
@@ -63,7 +88,11 @@ def test_tree_latency_grows_with_log2_of_the_nodes_and_ring_latency_with_the_gpu
 
 
 def test_ring_wins_large_messages_on_few_nodes_and_tree_small_messages_on_many():
-    assert scaling.algorithm_times(4.5e7, 16)["faster"] == "ring"
+    # 2 x 8 GPUs: the ring's bandwidth term (1.875 S) beats the tree's (2 S) by 0.125 S / 400 GB/s, its latency
+    # (66 us) loses to the tree's (38 us) by 28 us: the ring wins above 28 us x 400 GB/s / 0.125 = 89.6 MB
+    assert scaling.algorithm_times(1e9, 16)["faster"] == "ring"
+    assert scaling.algorithm_times(80e6, 16)["faster"] == "tree"
+    assert scaling.algorithm_times(100e6, 16)["faster"] == "ring"
     assert scaling.algorithm_times(1e5, 64)["faster"] == "tree"
     assert scaling.algorithm_times(1e5, 8)["ring"] <= scaling.algorithm_times(1e5, 8)["tree"]
     with pytest.raises(ValueError, match="whole nodes"):
@@ -134,6 +163,10 @@ def test_lab_measures_ddp_and_local_steps_on_two_ranks():
         assert result["per_rank_batch"] == 8 and result["gradient_bytes"] == expected_bytes
         assert result["allreduced_bytes"] == result["ddp_steps"] * expected_bytes, "no_sync steps add no bytes"
         assert result["step_s"] > 0 and result["local_step_s"] > 0
+        # DDP broadcasts BatchNorm's buffers when the PREVIOUS forward was synced: alternating single steps
+        # would put the broadcast into every no_sync step. Timed in blocks, it stays in the DDP steps.
+        assert result["no_sync_broadcasts"] == 0, "a timed no_sync step broadcast DDP's buffers"
+        assert result["ddp_broadcasts"] == result["timed_steps"], "every timed DDP step broadcasts the buffers once"
 
 
 def test_figures_draw_every_series():
@@ -170,3 +203,13 @@ def test_options_refuse_bad_values_before_launch():
                          ({"steps": 0}, "steps must be more than 0")):
         with pytest.raises(RequestError, match=message):
             Options.make(**bad)
+
+
+def test_ring_bytes_figure_labels_every_edge_with_the_flat_share():
+    import matplotlib
+    matplotlib.use("Agg")
+    from labsrc.lessons.performance_scaling import plots
+    ring, chart = plots.ring_bytes(2, 2, {"flat": {16: 1.875, 32: 1.9375}, "hierarchical": {16: 1.0, 32: 1.5}})
+    labels = [text.get_text() for text in ring.texts if text.get_text().endswith(" S")]
+    assert labels == ["1.50 S"] * 4, "4 GPUs in a ring: 4 edges, each carrying 2(n-1)/n = 1.5 S"
+    assert [list(line.get_ydata()) for line in chart.get_lines()] == [[1.875, 1.9375], [1.0, 1.5]]

@@ -48,6 +48,9 @@ def run_benchmark(ctx, options) -> dict:
     images, labels = next(batches)
     images, labels = images.to(ctx.device, memory_format=memory_format), labels.to(ctx.device)
     flops = benchmark.count_flops(plain, images, labels, options.precision)
+    first_conv = next(m for m in plain.modules() if isinstance(m, torch.nn.Conv2d))
+    stored_nhwc = {"inputs": images.is_contiguous(memory_format=torch.channels_last),   # what the step is fed
+                   "first_conv_weight": first_conv.weight.is_contiguous(memory_format=torch.channels_last)}
     forward_flops = benchmark.count_forward_flops(plain, images, labels, options.precision)
     ddp = DDP(plain) if ctx.distributed and (ctx.world_size > 1 or options.ddp) else None
     # Compiled after DDP wraps the model, as PyTorch recommends: Dynamo then splits the graph at DDP's bucket
@@ -66,7 +69,7 @@ def run_benchmark(ctx, options) -> dict:
             "communication_method": benchmark.COMMUNICATION_METHOD, "compiled": compiled, "compile_reason": reason,
             "images_per_s": options.batch_size * ctx.world_size / split["step_s"], "split": split, "steps": rows,
             "flops_per_step_per_rank": flops, "forward_flops_per_step_per_rank": forward_flops,
-            "gradient_bytes": gradient_bytes(plain),
+            "gradient_bytes": gradient_bytes(plain), "channels_last_stored": stored_nhwc,
             "achieved_tflops_per_rank": achieved / 1e12,
             "peak_tflops": peak, "mfu": achieved / (peak * 1e12) if peak else None,
             **benchmark.peak_memory(ctx.device), "provenance": benchmark.provenance(ctx.device)}

@@ -46,7 +46,7 @@ class Options(LabOptions):
 
 @dataclass
 class Scaling(Record):
-    """One rank's fastest DDP step and fastest step under no_sync (no all-reduce) at one per-rank batch."""
+    """One rank's fastest DDP step and fastest step under no_sync (no all-reduce, no buffer broadcast) at one batch."""
 
     KIND: ClassVar[str] = "scaling"
     world_size: int
@@ -57,7 +57,13 @@ class Scaling(Record):
     allreduced_bytes: int
     """Bytes DDP handed to all-reduce in all the DDP steps this rank ran (counted by a comm hook)."""
     ddp_steps: int
-    """DDP steps run (untimed warm-up ones included); the no_sync steps in between must add no bytes."""
+    """DDP steps run (untimed ones included); the no_sync steps in between must add no bytes."""
+    ddp_broadcasts: int
+    """DDP's buffer broadcasts (_sync_buffers calls) in the timed DDP steps: one each, if the model has buffers."""
+    no_sync_broadcasts: int
+    """The same in the timed no_sync steps: none, or the no_sync step is not the step without communication."""
+    timed_steps: int
+    """Timed steps of each kind."""
 
 
 @dataclass
@@ -85,20 +91,31 @@ def measure(ctx, profile, per_rank_batch: int, steps: int, seed: int = 0, ddp: b
     model = build_model(profile.model).to(ctx.device)
     wrapped = DDP(model) if ddp else model
     counted = {"bytes": 0}
+    phase, broadcasts = {}, {"ddp": 0, "no_sync": 0}
     if ddp:
         wrapped.register_comm_hook(counted, counting_allreduce)
+        sync_buffers = wrapped._sync_buffers   # DDP's broadcast of BatchNorm's buffers (a private method)
+
+        def counting_sync_buffers():
+            if phase.get("timed"):
+                broadcasts[phase["kind"]] += 1
+            return sync_buffers()
+
+        wrapped._sync_buffers = counting_sync_buffers
     optimizer = torch.optim.SGD(wrapped.parameters(), lr=profile.lr, momentum=0.9)
     dataset = data.synthetic_images(max(profile.num_samples, 4 * per_rank_batch), profile.image_size, seed=seed)
     own_data = RankContext(0, 0, 1, ctx.device, "")  # every rank draws from its whole copy: no sharding
     batches = iter(data.DeviceBatches(dataset, per_rank_batch, own_data, seed=seed))
     if ddp:
-        step_s, local_s = scaling.paired_step_times(wrapped, batches, optimizer, ctx.device, steps,
-                                                                wrapped.no_sync, warmup=WARMUP_STEPS)
+        step_s, local_s, ddp_steps = scaling.paired_step_times(wrapped, batches, optimizer, ctx.device, steps,
+                                                               wrapped.no_sync, warmup=WARMUP_STEPS, phase=phase)
     else:
         step_s = local_s = scaling.step_times(wrapped, batches, optimizer, ctx.device, steps)
+        ddp_steps = 0
     return {"per_rank_batch": per_rank_batch, "step_s": step_s, "local_step_s": local_s,
             "gradient_bytes": scaling.gradient_bytes(model), "allreduced_bytes": counted["bytes"],
-            "ddp_steps": (WARMUP_STEPS + steps) if ddp else 0}
+            "ddp_steps": ddp_steps, "ddp_broadcasts": broadcasts["ddp"],
+            "no_sync_broadcasts": broadcasts["no_sync"], "timed_steps": WARMUP_STEPS + steps}
 
 
 def scaling_lab(ctx, records, options: Options) -> dict:

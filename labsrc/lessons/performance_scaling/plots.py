@@ -50,8 +50,8 @@ def extrapolation(predictions: dict[str, dict[str, list[dict]]], references: lis
     file with "scaling" points and the "provenance" of the runs that measured them, drawn as stars.
     """
     import matplotlib.pyplot as plt
-    ax = new_axes("Alpha-beta model with stated link inputs (lines) and measurements (stars)", "GPUs",
-                  "scaling efficiency", ax)
+    title = "Alpha-beta model with stated link inputs (lines)" + (" and measurements (stars)" if references else "")
+    ax = new_axes(title, "GPUs", "scaling efficiency", ax)
     markers = {"ring": "o-", "tree": "s--"}
     for index, (workload, by_algorithm) in enumerate(predictions.items()):
         color = plt.get_cmap("tab10")(index)
@@ -66,3 +66,51 @@ def extrapolation(predictions: dict[str, dict[str, list[dict]]], references: lis
     ax.set_ylim(0, 1.05)
     ax.legend(fontsize=7)
     return ax
+
+
+def ring_bytes(nodes: int, gpus_per_node: int, node_link_bytes: dict[str, dict[int, float]], axes=None):
+    """Left: one flat ring through nodes x gpus_per_node GPUs, each edge labelled with the bytes it carries (in
+    units of the all-reduced size S), the edges that leave a node in red. Right: bytes leaving a node per
+    all-reduce against the GPU count, per algorithm ({name: {gpus: bytes / S}}, from the models).
+    """
+    import math
+
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(11, 3.8))
+    ring, chart = axes
+    n = nodes * gpus_per_node
+    share = 2 * (n - 1) / n
+    spots = [(node * (gpus_per_node + 1) + local, 0.0) for node in range(nodes) for local in range(gpus_per_node)]
+    for node in range(nodes):
+        left = node * (gpus_per_node + 1) - 0.45
+        ring.add_patch(Rectangle((left, -0.5), gpus_per_node - 0.1, 1.0, fill=False, linestyle=":"))
+        ring.text(left + (gpus_per_node - 0.1) / 2, 0.62, f"node {node}", ha="center")
+    for rank, (x, y) in enumerate(spots):
+        ring.plot(x, y, "o", markersize=18, color="tab:blue")
+        ring.text(x, y, str(rank), ha="center", va="center", color="white")
+    for rank in range(n):
+        (x0, y0), (x1, y1) = spots[rank], spots[(rank + 1) % n]
+        crosses = rank // gpus_per_node != ((rank + 1) % n) // gpus_per_node
+        bend = -0.35 if (rank + 1) % n == 0 else 0.0
+        ring.add_patch(FancyArrowPatch((x0, y0), (x1, y1), connectionstyle=f"arc3,rad={bend}", arrowstyle="-|>",
+                                       mutation_scale=12, shrinkA=10, shrinkB=10,
+                                       color="tab:red" if crosses else "gray"))
+        label_y = -0.8 if bend else 0.22
+        ring.text((x0 + x1) / 2, label_y, f"{share:.2f} S", ha="center", fontsize=8,
+                  color="tab:red" if crosses else "dimgray")
+    ring.set_xlim(-0.8, spots[-1][0] + 0.8)
+    ring.set_ylim(-1.2, 1.0)
+    ring.axis("off")
+    ring.set_title(f"Flat ring, {nodes} nodes x {gpus_per_node} GPUs: every edge carries 2(n-1)/n S", fontsize=9)
+    for name, points in node_link_bytes.items():
+        gpus = sorted(points)
+        chart.plot(gpus, [points[g] for g in gpus], "o-", label=name)
+    chart.set_xscale("log", base=2)
+    chart.set_xlabel("GPUs (8 per node)")
+    chart.set_ylabel("bytes leaving a node / S")
+    chart.set_ylim(0, math.ceil(max(max(p.values()) for p in node_link_bytes.values())) + 0.2)
+    chart.set_title("What one all-reduce sends out of each node", fontsize=9)
+    chart.legend(fontsize=8)
+    return axes

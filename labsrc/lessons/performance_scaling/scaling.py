@@ -74,20 +74,23 @@ def split_nodes(gpus: int, gpus_per_node: int) -> tuple[int, int]:
 
 def ring_time_s(nbytes: float, gpus: int, gpus_per_node: int = 8, nvlink: AlphaBeta = NVLINK,
                 nic: AlphaBeta = INFINIBAND, nics_per_node: int = 8) -> float:
-    """All-reduce of nbytes over NCCL-style rings: one channel per NIC, so every NIC of a node carries traffic.
+    """All-reduce of nbytes as NCCL's flat ring: one ring through all n = gN GPUs, numbered node by node.
 
-    latency: 2(n-1) hops one after the other, linear in the GPU count n; as in NCCL's tuning model
-    (src/graph/tuning.cc) 2(N-1) of them cross the network (the NIC's alpha), the other 2(n-N) stay on NVLink.
-    bandwidth: inside a node 2(g-1)/g nbytes over NVLink; across N nodes each node moves 2(N-1)/N nbytes out
-    over nics_per_node x the NIC's bandwidth. One node: exactly the plain ring formula.
+    bytes: each of the 2(n-1) steps sends a chunk of nbytes/n on every ring edge, so every edge carries
+    2(n-1)/n nbytes: nccl-tests' busbw = algbw x 2(n-1)/n (doc/PERFORMANCE.md). NCCL runs one ring per NIC
+    (a channel), each with nbytes/nics_per_node; every ring leaves each node once, so a node's NICs carry
+    2(n-1)/n nbytes together, and each GPU's NVLink carries its own 2(n-1)/n nbytes.
+    bandwidth: all edges send at once, so the slower of the two sets the pace (NVLink, or the node's NICs).
+    latency: a chunk goes round the ring hop after hop, 2(n-1) hops, of which 2(N-1) cross the network
+    (NCCL's tuning model, src/graph/tuning.cc). One node: exactly the plain ring formula over NVLink.
     """
     per_node, nodes = split_nodes(gpus, gpus_per_node)
     if nodes == 1:
         return ring_allreduce_time_s(nbytes, gpus, nvlink)
     latency = 2 * (gpus - nodes) * nvlink.alpha_s + 2 * (nodes - 1) * nic.alpha_s
-    inside = 2 * (per_node - 1) / per_node * nbytes * nvlink.beta_s_per_byte
-    across = 2 * (nodes - 1) / nodes * nbytes * nic.beta_s_per_byte / nics_per_node
-    return latency + inside + across
+    nvlink_s_per_byte = nvlink.beta_s_per_byte if per_node > 1 else 0.0
+    slowest_s_per_byte = max(nvlink_s_per_byte, nic.beta_s_per_byte / nics_per_node)
+    return latency + 2 * (gpus - 1) / gpus * nbytes * slowest_s_per_byte
 
 
 def tree_time_s(nbytes: float, gpus: int, gpus_per_node: int = 8, nvlink: AlphaBeta = NVLINK,
@@ -97,17 +100,19 @@ def tree_time_s(nbytes: float, gpus: int, gpus_per_node: int = 8, nvlink: AlphaB
     latency: reduce up and broadcast down, each through g-1 NVLink hops and ceil(log2 N) network hops (NCCL's
     tuning model has the same form with log2 N rounded down: equal for power-of-two node counts), so it grows
     with log2 of the node count, not with the GPU count.
-    bandwidth: each node sends (and receives) 2 x nbytes across nodes, half per tree, over nics_per_node NICs;
-    inside the node the chain carries nbytes up and nbytes down.
+    bandwidth: 2 x nbytes through the slower part. Inside the node each GPU of the chain sends nbytes up and
+    nbytes down (NVLink); across nodes each node sends 2 x nbytes, half per tree, over its NICs. The chain and
+    the trees pipeline their chunks, so, as for the ring, the slower part sets the pace (NCCL's tuning model:
+    tree algbw = busbw / 2).
     """
     per_node, nodes = split_nodes(gpus, gpus_per_node)
     if gpus <= 1:
         return 0.0
     depth = math.ceil(math.log2(nodes)) if nodes > 1 else 0
     latency = 2 * ((per_node - 1) * nvlink.alpha_s + depth * nic.alpha_s)
-    inside = 2 * nbytes * nvlink.beta_s_per_byte if per_node > 1 else 0.0
-    across = 2 * nbytes * nic.beta_s_per_byte / nics_per_node if nodes > 1 else 0.0
-    return latency + inside + across
+    nvlink_s_per_byte = nvlink.beta_s_per_byte if per_node > 1 else 0.0
+    nic_s_per_byte = nic.beta_s_per_byte / nics_per_node if nodes > 1 else 0.0
+    return latency + 2 * nbytes * max(nvlink_s_per_byte, nic_s_per_byte)
 
 
 def algorithm_times(nbytes: float, gpus: int, gpus_per_node: int = 8, **links) -> dict[str, float]:
@@ -173,18 +178,33 @@ def reference_record(bench_results: list[dict]) -> dict:
             "provenance": by_size[1]["provenance"], "runs": [r["provenance"] for _, r in sorted(by_size.items())]}
 
 
-def paired_step_times(model, batches, optimizer, device, steps: int, no_sync, warmup: int = 2) -> tuple[float, float]:
-    """(fastest DDP step, fastest step under no_sync): one of each in turn, so both see the same machine load.
+def paired_step_times(model, batches, optimizer, device, steps: int, no_sync, warmup: int = 2,
+                      phase: dict | None = None) -> tuple[float, float, int]:
+    """(fastest DDP step, fastest step under no_sync, DDP steps run): timed in turn, in blocks of two.
 
-    On a shared machine the load drifts from second to second; alternating the two kinds of step keeps that
-    drift out of their difference, which is the communication DDP adds.
+    On a shared machine the load drifts from second to second; timing the two kinds of step in turn keeps
+    that drift out of their difference, which is the communication DDP adds. Each turn is a block of two
+    steps of one kind, and only the second is timed. DDP decides whether to broadcast the module's buffers
+    (BatchNorm's running statistics) from the PREVIOUS forward (torch/nn/parallel/distributed.py,
+    _pre_forward reads require_forward_param_sync, which _post_forward sets). So the first no_sync step
+    after a DDP step still broadcasts, and the first DDP step after a no_sync one does not. The second step
+    of a block is the steady state of its kind. `phase`, if given, holds {"kind": "ddp" | "no_sync",
+    "timed": bool} during each step, so a spy can tell which step did what.
     """
     seconds: dict[bool, list[float]] = {True: [], False: []}
-    for step in range(warmup + steps):
+    phase = {} if phase is None else phase
+    ddp_steps = 0
+    for block in range(warmup + steps):
         for synced in (True, False):
-            seconds[synced].append(step_times(model, batches, optimizer, device, 1, warmup=0,
-                                              no_sync=None if synced else no_sync))
-    return min(seconds[True][warmup:]), min(seconds[False][warmup:])
+            for timed_step in (False, True):
+                phase.update(kind="ddp" if synced else "no_sync", timed=timed_step)
+                elapsed = step_times(model, batches, optimizer, device, 1, warmup=0,
+                                     no_sync=None if synced else no_sync)
+                ddp_steps += synced
+                if timed_step:
+                    seconds[synced].append(elapsed)
+    phase.clear()
+    return min(seconds[True][warmup:]), min(seconds[False][warmup:]), ddp_steps
 
 
 def step_times(model, batches, optimizer, device, steps: int, warmup: int = 2, no_sync=None) -> float:
