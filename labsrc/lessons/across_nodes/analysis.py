@@ -1,9 +1,9 @@
 """What the across_nodes lab measured, set against the models: the rows notebook 06b and the benchmark assert on."""
 from __future__ import annotations
 
-from labsrc.lessons.across_nodes.cost_model import (MODELS, SHAPER_CREDIT_BYTES, judge, lesson06_time_s, link_payload_bytes, model_holds,
-                                                    node_count_time_s, relative_error, scheme_time_s, step_messages,
-                                                    Layers)
+from labsrc.lessons.across_nodes.cost_model import (MODELS, SHAPER_CREDIT_BYTES, Layers, judge, lesson06_time_s,
+                                                    link_payload_bytes, model_holds, node_count_time_s, relative_error,
+                                                    scheme_time_s, step_messages)
 from labsrc.lessons.across_nodes.hierarchy import Topology
 from labsrc.techniques.alpha_beta import AlphaBeta
 

@@ -113,10 +113,14 @@ packet of up to 64 KB, well under 1%; 66 bytes per 1448, 4.6%, where the counter
 it receives, gloo's own headers and the barriers around the call. 15% bounds it and still tells 1.5 x from 1 x."""
 
 
-SHAPER_CREDIT_BYTES = 65536 + 1600
+OFFLOAD_PACKET_BYTES = 65536
+"""The largest packet segmentation offload hands the shaper at once."""
+BURST_BYTES = 1600
+"""HTB's default burst at 100 Mbit/s (`tc -d class show`)."""
+SHAPER_CREDIT_BYTES = OFFLOAD_PACKET_BYTES + BURST_BYTES
 """Bytes a shaped link lets through at once after it sat idle. HTB sends a packet while its tokens are >= 0 and
-charges it afterwards; segmentation offload hands it packets of up to 64 KB; its default burst at 100 Mbit/s is
-1600 bytes (`tc -d class show`). The first message of a collective can so cross up to this many bytes early."""
+charges it afterwards, so one offloaded packet and the burst can cross early: the first message of a collective
+can cross up to this many bytes early."""
 MODEL_DOMAIN = 0.10
 """The alpha-beta model is judged where the credit is at most 10% of the bytes crossing a node link (see
 model_holds). On smaller collectives the fastest repeat is the one that found the link idle, faster than the model
@@ -127,7 +131,7 @@ all-reduce spends on a 100 Mbit/s link; the inside term's fitted intercept also 
 
 def shaper_credit_bytes(nbytes: float, topology: Topology) -> float:
     """The burst plus the first offloaded packet: one ring message (nbytes/n) or 64 KB, whichever is smaller."""
-    return 1600 + min(65536, nbytes / topology.world_size)
+    return BURST_BYTES + min(OFFLOAD_PACKET_BYTES, nbytes / topology.world_size)
 
 
 def model_holds(algorithm: str, nbytes: float, topology: Topology) -> bool:

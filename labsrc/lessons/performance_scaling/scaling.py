@@ -193,18 +193,16 @@ def paired_step_times(model, batches, optimizer, device, steps: int, no_sync, wa
     """
     seconds: dict[bool, list[float]] = {True: [], False: []}
     phase = {} if phase is None else phase
-    ddp_steps = 0
     for block in range(warmup + steps):
         for synced in (True, False):
             for timed_step in (False, True):
                 phase.update(kind="ddp" if synced else "no_sync", timed=timed_step)
                 elapsed = step_times(model, batches, optimizer, device, 1, warmup=0,
                                      no_sync=None if synced else no_sync)
-                ddp_steps += synced
                 if timed_step:
                     seconds[synced].append(elapsed)
     phase.clear()
-    return min(seconds[True][warmup:]), min(seconds[False][warmup:]), ddp_steps
+    return min(seconds[True][warmup:]), min(seconds[False][warmup:]), 2 * (warmup + steps)
 
 
 def step_times(model, batches, optimizer, device, steps: int, warmup: int = 2, no_sync=None) -> float:
